@@ -1,0 +1,98 @@
+"""lonnymq: a multi-tenant message queue in PostgreSQL, for Kombu and Celery.
+
+The queue API::
+
+    import psycopg
+    from lonnymq import Queue
+
+    queue = Queue("default", schema="lonnymq")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        lonnymq.install(conn)
+        queue.channel("tenant-1").message.create(conn, b"hello")
+        result = queue.dequeue(conn, limit=10, lock_ms=30_000)
+        for message in result.messages:
+            message.delete(conn)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+
+from .exceptions import (
+    ChannelFull,
+    ConfigurationError,
+    ConnectionLost,
+    DatabaseError,
+    InvalidArgument,
+    InvalidName,
+    LonnyMQError,
+    MessageTooLarge,
+    SchemaError,
+    SchemaNotInstalled,
+    SchemaTooNew,
+)
+from . import migrator
+from .migrator import CURRENT_VERSION, DEFAULT_SCHEMA, migrations
+from .queue import (
+    KEEP,
+    Batch,
+    Broker,
+    Channel,
+    ChannelInfo,
+    Created,
+    CreateResult,
+    Deduplicated,
+    DequeueResult,
+    Dropped,
+    Message,
+    Outcome,
+    Pending,
+    Policy,
+    Queue,
+    QueueStats,
+)
+
+__version__ = "0.1.0"
+
+
+def install(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """Install or upgrade the lonnymq schema; returns the migrations applied. Safe under
+    concurrent callers, a no-op when current (see :func:`lonnymq.migrator.install`)."""
+    return migrator.install(conn, schema)
+
+
+__all__ = [
+    "CURRENT_VERSION",
+    "DEFAULT_SCHEMA",
+    "KEEP",
+    "Batch",
+    "Broker",
+    "Channel",
+    "ChannelFull",
+    "ChannelInfo",
+    "ConfigurationError",
+    "ConnectionLost",
+    "CreateResult",
+    "Created",
+    "DatabaseError",
+    "Deduplicated",
+    "DequeueResult",
+    "Dropped",
+    "InvalidArgument",
+    "InvalidName",
+    "LonnyMQError",
+    "Message",
+    "MessageTooLarge",
+    "Outcome",
+    "Pending",
+    "Policy",
+    "Queue",
+    "QueueStats",
+    "SchemaError",
+    "SchemaNotInstalled",
+    "SchemaTooNew",
+    "install",
+    "migrations",
+]

@@ -1,0 +1,92 @@
+"""Errors raised by lonnymq.
+
+Every error derives from :class:`LonnyMQError`. Expected outcomes of queue operations (a
+de-duplicated create, a stale lock token) are result values, not exceptions; see
+:mod:`lonnymq.queue.results`. Driver (psycopg) errors are translated at the boundary and keep
+the original as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+
+class LonnyMQError(Exception):
+    """Root of every lonnymq error."""
+
+
+class ConfigurationError(LonnyMQError, ValueError):
+    """An option, URL or argument has an invalid value."""
+
+
+class InvalidName(ConfigurationError):
+    """A schema, queue, channel or message name is not acceptable."""
+
+
+class InvalidArgument(ConfigurationError):
+    """An argument of a queue operation is out of range (delay, priority, limit...)."""
+
+
+class MessageTooLarge(InvalidArgument):
+    """The message content is larger than the configured maximum."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            f"message content is {size} bytes, over the limit of {limit} bytes "
+            "(raise max_message_bytes to accept larger messages)"
+        )
+        self.size = size
+        self.limit = limit
+
+
+class ChannelFull(LonnyMQError):
+    """A create was refused because the channel holds ``max_size`` messages already.
+
+    Nothing was written: the producer must retry later or drop the message itself.
+    """
+
+    def __init__(self, queue: str, channel: str) -> None:
+        super().__init__(
+            f"channel {channel!r} of queue {queue!r} is full (at its max_size); "
+            "the message was not enqueued"
+        )
+        self.queue = queue
+        self.channel = channel
+
+
+class SchemaError(LonnyMQError):
+    """The lonnymq schema in the database is missing, incomplete or of another version."""
+
+
+class SchemaNotInstalled(SchemaError):
+    """The schema (or part of it) is not installed."""
+
+    def __init__(self, schema: str, detail: str = "") -> None:
+        message = (
+            f"the lonnymq schema {schema!r} is not installed (or is incomplete) in this "
+            f"database; run `lonnymq migrate --schema {schema}` or call "
+            "lonnymq.install(conn, schema=...)"
+        )
+        if detail:
+            message += f" ({detail})"
+        super().__init__(message)
+        self.schema = schema
+
+
+class SchemaTooNew(SchemaError):
+    """The schema was installed by a newer lonnymq; this version refuses to touch it."""
+
+    def __init__(self, schema: str, installed: int, known: int) -> None:
+        super().__init__(
+            f"the lonnymq schema {schema!r} is at version {installed}, newer than the "
+            f"version {known} this lonnymq knows; upgrade lonnymq"
+        )
+        self.schema = schema
+        self.installed = installed
+        self.known = known
+
+
+class DatabaseError(LonnyMQError):
+    """Postgres reported an error that lonnymq does not expect."""
+
+
+class ConnectionLost(DatabaseError):
+    """The connection to Postgres failed or was closed; the operation may be retried."""

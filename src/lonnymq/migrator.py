@@ -1,0 +1,182 @@
+"""Install and upgrade the lonnymq schema.
+
+The SQL lives in ``lonnymq/sql``: ``schema.sql`` is the full current schema (used for a fresh
+install) and ``migrations/NNNN_name.sql`` are the numbered steps from one version to the next.
+A test checks that a fresh install and the replayed migrations give the same database.
+
+Every statement is qualified with the configured schema by ``psycopg.sql`` composition. Applied
+versions are recorded in ``<schema>.migration``; :func:`install` takes an advisory lock, so many
+processes may call it at once, and it is a no-op when the schema is current.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .exceptions import InvalidName, SchemaNotInstalled, SchemaTooNew
+
+DEFAULT_SCHEMA = "lonnymq"
+
+# Lower-case identifiers only, short enough that "<schema>_wake" fits a NOTIFY channel name.
+_SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,47}")
+_MIGRATION_RE = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql")
+
+
+def validate_schema(schema: object) -> str:
+    """Return ``schema`` if it is an acceptable schema name, else raise :class:`InvalidName`."""
+    if not isinstance(schema, str) or not _SCHEMA_RE.fullmatch(schema):
+        raise InvalidName(
+            f"invalid schema name {schema!r}: use 1 to 48 characters among lower-case "
+            "letters, digits and underscores, not starting with a digit"
+        )
+    if schema.startswith("pg_"):
+        raise InvalidName(f"invalid schema name {schema!r}: names starting with pg_ are reserved")
+    return schema
+
+
+def wake_channel(schema: str) -> str:
+    """The NOTIFY channel on which ``schema`` announces available messages."""
+    return f"{validate_schema(schema)}_wake"
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    template: str
+
+
+def _read(path: str) -> str:
+    return resources.files("lonnymq.sql").joinpath(path).read_text(encoding="utf-8")
+
+
+@cache
+def _migration_files() -> tuple[Migration, ...]:
+    found = []
+    for entry in resources.files("lonnymq.sql").joinpath("migrations").iterdir():
+        match = _MIGRATION_RE.fullmatch(entry.name)
+        if match:
+            found.append(Migration(int(match[1]), match[2], entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda m: m.version)
+    if [m.version for m in found] != list(range(1, len(found) + 1)):
+        raise RuntimeError("lonnymq migrations are not numbered 1..N")  # packaging bug
+    return tuple(found)
+
+
+CURRENT_VERSION = len(_migration_files())
+
+
+def render(template: str, schema: str) -> sql.Composed:
+    """Fill a SQL template's placeholders for ``schema``."""
+    schema = validate_schema(schema)
+    return sql.SQL(template).format(  # type: ignore[arg-type]
+        schema=sql.Identifier(schema),
+        wake=sql.Literal(wake_channel(schema)),
+        lock_prefix=sql.Literal(f"lonnymq:{schema}:"),
+    )
+
+
+def _record(schema: str, migrations: tuple[Migration, ...]) -> sql.Composed:
+    rows = sql.SQL(", ").join(
+        sql.SQL("({}, {})").format(sql.Literal(m.version), sql.Literal(m.name))
+        for m in migrations
+    )
+    return sql.SQL("INSERT INTO {}.migration (version, name) VALUES {};\n").format(
+        sql.Identifier(schema), rows
+    )
+
+
+def migrations(schema: str = DEFAULT_SCHEMA) -> list[tuple[str, str]]:
+    """The ordered ``(name, sql)`` migrations for ``schema``, for teams that apply DDL with
+    their own tool (Alembic, Django migrations, Flyway...).
+
+    Apply them in order, each in a transaction, and record nothing else: each one records its
+    own version in ``<schema>.migration``, so :func:`install` and the transport see the schema
+    as installed.
+    """
+    out = []
+    for m in _migration_files():
+        text = render(m.template, schema).as_string() + "\n" + _record(schema, (m,)).as_string()
+        out.append((f"{m.version:04d}_{m.name}", text))
+    return out
+
+
+def fresh_install_sql(schema: str = DEFAULT_SCHEMA) -> str:
+    """The SQL of a fresh install at the current version (the full schema)."""
+    return (
+        render(_read("schema.sql"), schema).as_string()
+        + "\n"
+        + _record(schema, _migration_files()).as_string()
+    )
+
+
+def _lock_key(schema: str) -> sql.Composed:
+    return sql.SQL("SELECT pg_advisory_xact_lock(hashtextextended({}, 0))").format(
+        sql.Literal(f"lonnymq:{schema}:migrate")
+    )
+
+
+def installed_version(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> int | None:
+    """The version of ``schema`` installed in the database, or None when it is not."""
+    schema = validate_schema(schema)
+    row = conn.execute(
+        "SELECT to_regclass(format('%%I.migration', %s::text)) IS NOT NULL", (schema,)
+    ).fetchone()
+    if not row or not row[0]:
+        return None
+    found = conn.execute(
+        sql.SQL("SELECT max(version) FROM {}.migration").format(sql.Identifier(schema))
+    ).fetchone()
+    return int(found[0]) if found and found[0] is not None else None
+
+
+def pending_sql(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> str:
+    """The SQL that :func:`install` would run now (empty when the schema is current)."""
+    version = installed_version(conn, schema)
+    if version is None:
+        return fresh_install_sql(schema)
+    if version > CURRENT_VERSION:
+        raise SchemaTooNew(schema, version, CURRENT_VERSION)
+    return "\n".join(text for _, text in migrations(schema)[version:])
+
+
+def install(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """Install or upgrade ``schema`` to the current version; returns the names applied.
+
+    Safe to call from many processes at once (an advisory lock serialises them) and a no-op
+    when the schema is current. Runs in its own transaction (a savepoint when ``conn`` is
+    already in one). Refuses a schema installed by a newer lonnymq.
+    """
+    schema = validate_schema(schema)
+    with conn.transaction():
+        conn.execute(_lock_key(schema))
+        version = installed_version(conn, schema)
+        if version is None:
+            conn.execute(fresh_install_sql(schema).encode())
+            return [name for name, _ in migrations(schema)]
+        if version > CURRENT_VERSION:
+            raise SchemaTooNew(schema, version, CURRENT_VERSION)
+        applied = []
+        for name, text in migrations(schema)[version:]:
+            conn.execute(text.encode())
+            applied.append(name)
+        return applied
+
+
+def check(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> int:
+    """Raise unless ``schema`` is installed at a version this lonnymq can use."""
+    version = installed_version(conn, schema)
+    if version is None:
+        raise SchemaNotInstalled(schema)
+    if version > CURRENT_VERSION:
+        raise SchemaTooNew(schema, version, CURRENT_VERSION)
+    if version < CURRENT_VERSION:
+        raise SchemaNotInstalled(schema, f"installed version {version} < {CURRENT_VERSION}")
+    return version

@@ -1,0 +1,89 @@
+"""Validation of arguments before they reach Postgres: every bad value gets a clear, typed
+error naming the problem, and nothing is written."""
+
+from __future__ import annotations
+
+import math
+
+from ..exceptions import InvalidArgument, InvalidName, MessageTooLarge
+
+MAX_NAME_LENGTH = 255
+MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000  # ten years
+MAX_LOCK_MS = 366 * 24 * 3600 * 1000  # a year
+MAX_LIMIT = 10_000
+MAX_PRIORITY = 255
+MAX_INT4 = 2**31 - 1
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+Content = bytes | bytearray | memoryview | str
+
+
+def name(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidName(f"{what} name must be a str, not {type(value).__name__}")
+    if not value:
+        raise InvalidName(f"{what} name must not be empty")
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidName(
+            f"{what} name is {len(value)} characters long, over the limit of {MAX_NAME_LENGTH}"
+        )
+    if "\x00" in value:
+        raise InvalidName(f"{what} name must not contain NUL characters")
+    return value
+
+
+def optional_name(value: object, what: str) -> str | None:
+    return None if value is None else name(value, what)
+
+
+def content(value: object, limit: int) -> bytes:
+    if isinstance(value, str):
+        data = value.encode("utf-8")
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+    else:
+        raise InvalidArgument(f"message content must be bytes or str, not {type(value).__name__}")
+    if len(data) > limit:
+        raise MessageTooLarge(len(data), limit)
+    return data
+
+
+def optional_bytes(value: object, what: str) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidArgument(f"{what} must be bytes or None, not {type(value).__name__}")
+
+
+def milliseconds(value: object, what: str, *, low: int, high: int) -> int:
+    """A duration in milliseconds (int or float, rounded up) within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{what} must be a number of milliseconds, not {value!r}")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArgument(f"{what} must be finite, not {value!r}")
+        value = math.ceil(value)
+    if not low <= value <= high:
+        raise InvalidArgument(f"{what} must be between {low} and {high} ms, not {value}")
+    return int(value)
+
+
+def integer(value: object, what: str, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what} must be an int, not {value!r}")
+    if not low <= value <= high:
+        raise InvalidArgument(f"{what} must be between {low} and {high}, not {value}")
+    return value
+
+
+def limit_or_none(value: object, what: str) -> int | None:
+    return None if value is None else integer(value, what, low=0, high=MAX_INT4)
+
+
+def queues(values: object) -> list[str]:
+    if isinstance(values, str) or not isinstance(values, (list, tuple, set, frozenset)):
+        raise InvalidArgument("queues must be a list of queue names")
+    out = [name(v, "queue") for v in values]
+    if not out:
+        raise InvalidArgument("queues must name at least one queue")
+    return out

@@ -1,0 +1,118 @@
+"""One queue operation = one SQL function call in one round trip.
+
+An :class:`Op` is the rendered query, its parameters and the function that turns the result
+rows into a typed value. The same op runs on a sync or an async psycopg connection, alone or
+pipelined in a batch. Driver errors are translated here, at the boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Generic, LiteralString, TypeVar, overload
+
+import psycopg
+from psycopg import errors as pgerrors
+from psycopg import sql
+
+from ..exceptions import (
+    ConnectionLost,
+    DatabaseError,
+    InvalidArgument,
+    LonnyMQError,
+    SchemaNotInstalled,
+)
+
+T = TypeVar("T")
+Rows = list[tuple[Any, ...]]
+
+
+@cache
+def render(template: LiteralString, schema: str) -> bytes:
+    """A query template with ``{schema}`` filled in as a quoted identifier (cached, so the
+    bytes are identical on every call and psycopg prepares the statement)."""
+    return sql.SQL(template).format(schema=sql.Identifier(schema)).as_bytes()
+
+
+@dataclass(frozen=True, slots=True)
+class Op(Generic[T]):
+    schema: str
+    query: bytes
+    params: Sequence[Any]
+    parse: Callable[[Rows], T]
+
+
+_SCHEMA_ERRORS = (
+    pgerrors.UndefinedFunction,
+    pgerrors.UndefinedTable,
+    pgerrors.InvalidSchemaName,
+    pgerrors.UndefinedObject,
+    pgerrors.UndefinedColumn,
+)
+_ARGUMENT_ERRORS = (
+    pgerrors.CheckViolation,
+    pgerrors.NumericValueOutOfRange,
+    pgerrors.InvalidParameterValue,
+    pgerrors.StringDataRightTruncation,
+    pgerrors.CharacterNotInRepertoire,
+    pgerrors.UntranslatableCharacter,
+    pgerrors.ProgramLimitExceeded,
+)
+
+
+def translate(exc: Exception, schema: str) -> LonnyMQError:
+    """The lonnymq error for a psycopg error."""
+    if isinstance(exc, _SCHEMA_ERRORS):
+        return SchemaNotInstalled(schema, str(exc).splitlines()[0])
+    if isinstance(exc, _ARGUMENT_ERRORS):
+        return InvalidArgument(f"rejected by Postgres: {str(exc).splitlines()[0]}")
+    if isinstance(exc, psycopg.OperationalError):
+        return ConnectionLost(f"connection to Postgres failed: {exc}")
+    return DatabaseError(f"{type(exc).__name__}: {exc}")
+
+
+def run(conn: psycopg.Connection[Any], op: Op[T]) -> T:
+    try:
+        with conn.cursor() as cur:
+            cur.execute(op.query, op.params)
+            rows = cur.fetchall()
+    except psycopg.Error as exc:
+        raise translate(exc, op.schema) from exc
+    return op.parse(rows)
+
+
+async def arun(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
+    try:
+        async with conn.cursor() as cur:
+            await cur.execute(op.query, op.params)
+            rows = await cur.fetchall()
+    except psycopg.Error as exc:
+        raise translate(exc, op.schema) from exc
+    return op.parse(rows)
+
+
+AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+
+
+@overload
+def execute(conn: psycopg.Connection[Any], op: Op[T]) -> T: ...
+@overload
+def execute(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> Awaitable[T]: ...
+def execute(conn: AnyConnection, op: Op[T]) -> T | Awaitable[T]:
+    """Run ``op`` on ``conn``; on an async connection, return an awaitable."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        return arun(conn, op)
+    if isinstance(conn, psycopg.Connection):
+        return run(conn, op)
+    raise InvalidArgument(
+        f"expected a psycopg Connection or AsyncConnection, not {type(conn).__name__}"
+    )
+
+
+def require_sync(conn: object) -> psycopg.Connection[Any]:
+    if isinstance(conn, psycopg.Connection):
+        return conn
+    raise InvalidArgument(
+        f"this operation needs a psycopg (sync) Connection, not {type(conn).__name__}"
+    )

@@ -1,0 +1,45 @@
+"""Queue-wide operations: purge, size, stats, delete."""
+
+from __future__ import annotations
+
+from typing import LiteralString
+
+from . import _checks
+from ._ops import Op, Rows, render
+from .results import QueueStats
+
+_PURGE: LiteralString = "SELECT {schema}.queue_purge_v1(%s::text)"
+_DELETE: LiteralString = "SELECT {schema}.queue_delete_v1(%s::text)"
+_STATS: LiteralString = (
+    "SELECT total, in_flight, ready, delayed, channels, max_concurrency, max_size "
+    "FROM {schema}.queue_stats_v1(%s::text, %s::boolean)"
+)
+_LIST: LiteralString = "SELECT name FROM {schema}.queue ORDER BY name"
+
+
+def _count(rows: Rows) -> int:
+    return int(rows[0][0])
+
+
+def purge_op(schema: str, queue: str) -> Op[int]:
+    return Op(schema, render(_PURGE, schema), (_checks.name(queue, "queue"),), _count)
+
+
+def delete_queue_op(schema: str, queue: str) -> Op[int]:
+    return Op(schema, render(_DELETE, schema), (_checks.name(queue, "queue"),), _count)
+
+
+def stats_op(schema: str, queue: str, *, count_ready: bool = True) -> Op[QueueStats]:
+    queue = _checks.name(queue, "queue")
+
+    def parse(rows: Rows) -> QueueStats:
+        return QueueStats(queue, *rows[0])
+
+    return Op(schema, render(_STATS, schema), (queue, count_ready), parse)
+
+
+def list_queues_op(schema: str) -> Op[list[str]]:
+    def parse(rows: Rows) -> list[str]:
+        return [row[0] for row in rows]
+
+    return Op(schema, render(_LIST, schema), (), parse)

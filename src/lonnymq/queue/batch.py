@@ -1,0 +1,232 @@
+"""Batches: creates and policy changes collected, sorted into one consistent order
+(queue, queue-level first, channel, policy before messages, message name) and executed in one
+transaction and one round trip (pipeline). Because every batch locks in the same order, two
+batches never deadlock each other."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, overload
+
+import psycopg
+
+from ..exceptions import ChannelFull, InvalidArgument
+from . import _checks
+from ._ops import Op, translate
+from .create import create_op
+from .policy import channel_clear_op, channel_set_op, queue_set_op
+from .results import CreateResult, Dropped
+
+T = TypeVar("T")
+_UNSET: Any = object()
+
+
+class Pending(Generic[T]):
+    """The result of one batched operation, available once the batch has executed."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value: Any = _UNSET
+
+    def get(self) -> T:
+        if self._value is _UNSET:
+            raise InvalidArgument("the batch has not been executed yet")
+        value: T = self._value
+        return value
+
+
+@dataclass(slots=True)
+class _Item:
+    key: tuple[str, int, str, int, str, int]
+    op: Op[Any]
+    pending: Pending[Any]
+
+
+class Batch:
+    """Collect creates and policy changes; run them with :meth:`execute`."""
+
+    def __init__(
+        self, schema: str, max_message_bytes: int, default_queue: str | None = None
+    ) -> None:
+        self._schema = schema
+        self._default_queue = default_queue
+        self._max_message_bytes = max_message_bytes
+        self._items: list[_Item] = []
+        self._executed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def _add(self, key: tuple[str, int, str, int, str], op: Op[T]) -> Pending[T]:
+        if self._executed:
+            raise InvalidArgument("this batch has already been executed; start a new one")
+        pending: Pending[T] = Pending()
+        self._items.append(_Item((*key, len(self._items)), op, pending))
+        return pending
+
+    def queue(self, name: str) -> BatchQueue:
+        return BatchQueue(self, _checks.name(name, "queue"))
+
+    def channel(self, name: str) -> BatchChannel:
+        """A channel of the batch's queue (for batches made by ``Queue.batch()``)."""
+        if self._default_queue is None:
+            raise InvalidArgument("this batch has no queue of its own: use batch.queue(name)")
+        return self.queue(self._default_queue).channel(name)
+
+    def _ordered(self) -> list[_Item]:
+        self._executed = True
+        return sorted(self._items, key=lambda item: item.key)
+
+    def _finish(self, items: list[_Item], results: list[Any], raise_if_dropped: bool) -> None:
+        for item, result in zip(items, results, strict=True):
+            item.pending._value = result
+        if raise_if_dropped:
+            for result in results:
+                if isinstance(result, Dropped):
+                    raise ChannelFull(result.queue, result.channel)
+
+    @overload
+    def execute(
+        self, conn: psycopg.Connection[Any], *, raise_if_dropped: bool = True
+    ) -> list[Any]: ...
+    @overload
+    def execute(
+        self, conn: psycopg.AsyncConnection[Any], *, raise_if_dropped: bool = True
+    ) -> Awaitable[list[Any]]: ...
+    def execute(
+        self,
+        conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any],
+        *,
+        raise_if_dropped: bool = True,
+    ) -> list[Any] | Awaitable[list[Any]]:
+        """Execute the batch in one transaction (a savepoint inside the caller's transaction),
+        pipelined. Returns the results in the order the operations were added.
+
+        With ``raise_if_dropped`` (the default), a create refused by a full channel raises
+        :class:`~lonnymq.ChannelFull` and the whole batch is rolled back; otherwise the
+        refused creates give :class:`~lonnymq.Dropped` results and the rest is kept.
+        """
+        if isinstance(conn, psycopg.AsyncConnection):
+            return self._aexecute(conn, raise_if_dropped)
+        if not isinstance(conn, psycopg.Connection):
+            raise InvalidArgument(f"expected a psycopg connection, not {type(conn).__name__}")
+        items = self._ordered()
+        if not items:
+            return []
+        try:
+            with conn.transaction():
+                cursors = []
+                with conn.pipeline():
+                    for item in items:
+                        cur = conn.cursor()
+                        cur.execute(item.op.query, item.op.params)
+                        cursors.append(cur)
+                results = [item.op.parse(cur.fetchall()) for item, cur in zip(items, cursors)]
+                self._finish(items, results, raise_if_dropped)
+        except psycopg.Error as exc:
+            raise translate(exc, self._schema) from exc
+        return [item.pending.get() for item in self._items]
+
+    async def _aexecute(
+        self, conn: psycopg.AsyncConnection[Any], raise_if_dropped: bool
+    ) -> list[Any]:
+        items = self._ordered()
+        if not items:
+            return []
+        try:
+            async with conn.transaction():
+                cursors = []
+                async with conn.pipeline():
+                    for item in items:
+                        cur = conn.cursor()
+                        await cur.execute(item.op.query, item.op.params)
+                        cursors.append(cur)
+                results = [item.op.parse(await cur.fetchall()) for item, cur in zip(items, cursors)]
+                self._finish(items, results, raise_if_dropped)
+        except psycopg.Error as exc:
+            raise translate(exc, self._schema) from exc
+        return [item.pending.get() for item in self._items]
+
+
+class BatchQueue:
+    def __init__(self, batch: Batch, name: str) -> None:
+        self._batch = batch
+        self.name = name
+
+    def channel(self, name: str) -> BatchChannel:
+        return BatchChannel(self, _checks.name(name, "channel"))
+
+    @property
+    def policy(self) -> BatchQueuePolicy:
+        """The queue-wide default policy."""
+        return BatchQueuePolicy(self)
+
+
+class BatchQueuePolicy:
+    def __init__(self, queue: BatchQueue) -> None:
+        self._queue = queue
+
+    def set(self, *, max_concurrency: int | None = None, max_size: int | None = None) -> Pending[None]:
+        """Set the queue-wide default policy (None: no limit)."""
+        batch = self._queue._batch
+        op = queue_set_op(batch._schema, self._queue.name, max_concurrency, max_size)
+        return batch._add((self._queue.name, 0, "", 0, ""), op)
+
+    def clear(self) -> Pending[None]:
+        return self.set()
+
+
+class BatchChannel:
+    def __init__(self, queue: BatchQueue, name: str) -> None:
+        self._queue = queue
+        self.name = name
+
+    def message(
+        self,
+        content: object,
+        *,
+        name: str | None = None,
+        delay_ms: float = 0,
+        priority: int = 0,
+    ) -> Pending[CreateResult]:
+        batch = self._queue._batch
+        op = create_op(
+            batch._schema,
+            self._queue.name,
+            self.name,
+            content,
+            name=name,
+            delay_ms=delay_ms,
+            priority=priority,
+            raise_if_dropped=False,
+            max_message_bytes=batch._max_message_bytes,
+        )
+        return batch._add((self._queue.name, 1, self.name, 1, name or ""), op)
+
+    @property
+    def policy(self) -> BatchChannelPolicy:
+        return BatchChannelPolicy(self)
+
+
+class BatchChannelPolicy:
+    def __init__(self, channel: BatchChannel) -> None:
+        self._channel = channel
+
+    def set(self, *, max_concurrency: int | None = None, max_size: int | None = None) -> Pending[None]:
+        """Set the channel's own policy (None: no limit)."""
+        queue = self._channel._queue
+        op = channel_set_op(
+            queue._batch._schema, queue.name, self._channel.name, max_concurrency, max_size
+        )
+        return queue._batch._add((queue.name, 1, self._channel.name, 0, ""), op)
+
+    def clear(self) -> Pending[None]:
+        """Remove the channel's own policy (it falls back to the queue default)."""
+        queue = self._channel._queue
+        op = channel_clear_op(queue._batch._schema, queue.name, self._channel.name)
+        return queue._batch._add((queue.name, 1, self._channel.name, 0, ""), op)
+
+
+__all__ = ["Batch", "BatchChannel", "BatchQueue", "Pending"]

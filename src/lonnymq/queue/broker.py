@@ -1,0 +1,325 @@
+"""The public queue API: :class:`Broker` (a lonnymq schema), :class:`Queue`, :class:`Channel`.
+
+Every method takes the caller's psycopg connection and runs in the caller's transaction: the
+API never commits for the caller (an autocommit connection commits each call by itself).
+Producer-side methods (create, policies, batches) accept a ``psycopg.AsyncConnection`` too and
+then return an awaitable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, overload
+
+import psycopg
+
+from .. import migrator
+from . import _checks
+from ._ops import execute, require_sync, run
+from .admin import delete_queue_op, list_queues_op, purge_op, stats_op
+from .batch import Batch
+from .create import create_op
+from .dequeue import DEFAULT_LOCK_MS, DequeueResult, Message, dequeue_op
+from .finalize import KEEP, defer_op, delete_op, heartbeat_op
+from .policy import (
+    ChannelInfo,
+    Policy,
+    channel_clear_op,
+    channel_get_op,
+    channel_set_op,
+    queue_get_op,
+    queue_set_op,
+)
+from .results import CreateResult, Outcome, QueueStats
+
+Conn = psycopg.Connection[Any]
+AConn = psycopg.AsyncConnection[Any]
+
+
+class Broker:
+    """A lonnymq schema in a database: the entry point of the queue API."""
+
+    def __init__(
+        self,
+        schema: str = migrator.DEFAULT_SCHEMA,
+        *,
+        max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.schema = migrator.validate_schema(schema)
+        self.max_message_bytes = _checks.integer(
+            max_message_bytes, "max_message_bytes", low=1, high=1024**3
+        )
+
+    def __repr__(self) -> str:
+        return f"Broker(schema={self.schema!r})"
+
+    @property
+    def wake_channel(self) -> str:
+        """The NOTIFY channel on which this schema announces available messages (the
+        payload is the queue name). LISTEN on it with ``psycopg.sql.Identifier``."""
+        return migrator.wake_channel(self.schema)
+
+    def queue(self, name: str) -> Queue:
+        return Queue(name, broker=self)
+
+    def install(self, conn: Conn) -> list[str]:
+        """Install or upgrade the schema (see :func:`lonnymq.migrator.install`)."""
+        return migrator.install(conn, self.schema)
+
+    def check(self, conn: Conn) -> int:
+        """Raise :class:`~lonnymq.SchemaNotInstalled` unless the schema is installed."""
+        return migrator.check(conn, self.schema)
+
+    def dequeue(
+        self,
+        conn: Conn,
+        queues: Sequence[str],
+        *,
+        limit: int = 1,
+        lock_ms: float = DEFAULT_LOCK_MS,
+    ) -> DequeueResult:
+        """Dequeue up to ``limit`` messages from ``queues`` and lock them for ``lock_ms``.
+
+        Messages whose lock expired come first; then channels with a due message take turns,
+        the one that has waited longest first; within a channel, highest priority, then
+        earliest due, then oldest. Run it in its own transaction (autocommit is fine).
+        """
+        return run(require_sync(conn), dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms))
+
+    def delete(self, conn: Conn, message_id: int, lock_token: uuid.UUID) -> Outcome:
+        """Delete (ack) a held message by id and lock token."""
+        return run(require_sync(conn), delete_op(self.schema, message_id, lock_token))
+
+    def defer(
+        self,
+        conn: Conn,
+        message_id: int,
+        lock_token: uuid.UUID,
+        *,
+        delay_ms: float = 0,
+        state: object = KEEP,
+    ) -> Outcome:
+        """Unlock a held message; due again after ``delay_ms``, optionally with new state."""
+        op = defer_op(self.schema, message_id, lock_token, delay_ms=delay_ms, state=state)
+        return run(require_sync(conn), op)
+
+    def heartbeat(
+        self,
+        conn: Conn,
+        held: Iterable[Message | tuple[int, uuid.UUID]],
+        *,
+        lock_ms: float,
+    ) -> set[int]:
+        """Extend the locks of held messages to ``lock_ms`` from now, in one call. Returns
+        the ids still held; the others were lost (lock expired and taken over, or gone)."""
+        pairs = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in held]
+        if not pairs:
+            return set()
+        return run(require_sync(conn), heartbeat_op(self.schema, pairs, lock_ms=lock_ms))
+
+    def batch(self) -> Batch:
+        """A batch of creates and policy changes across queues: ``batch.queue(q).channel(c)``."""
+        return Batch(self.schema, self.max_message_bytes)
+
+    def queues(self, conn: Conn) -> list[str]:
+        """Names of the queues known to the schema."""
+        return run(require_sync(conn), list_queues_op(self.schema))
+
+
+class Queue:
+    """A queue (a Kombu queue: ``celery``, ``default``...) split into channels."""
+
+    def __init__(
+        self,
+        name: str = "default",
+        *,
+        schema: str = migrator.DEFAULT_SCHEMA,
+        broker: Broker | None = None,
+    ) -> None:
+        self.name = _checks.name(name, "queue")
+        self.broker = broker if broker is not None else Broker(schema)
+
+    def __repr__(self) -> str:
+        return f"Queue({self.name!r}, schema={self.broker.schema!r})"
+
+    @property
+    def schema(self) -> str:
+        return self.broker.schema
+
+    def channel(self, name: str) -> Channel:
+        return Channel(self, name)
+
+    @property
+    def policy(self) -> QueuePolicy:
+        """The queue-wide default policy, for channels without a policy of their own."""
+        return QueuePolicy(self)
+
+    def dequeue(
+        self, conn: Conn, *, limit: int = 1, lock_ms: float = DEFAULT_LOCK_MS
+    ) -> DequeueResult:
+        return self.broker.dequeue(conn, [self.name], limit=limit, lock_ms=lock_ms)
+
+    def batch(self) -> Batch:
+        """A batch whose ``channel(name)`` is a channel of this queue."""
+        return Batch(self.schema, self.broker.max_message_bytes, default_queue=self.name)
+
+    def purge(self, conn: Conn) -> int:
+        """Delete the messages not held by a consumer; returns how many."""
+        return run(require_sync(conn), purge_op(self.schema, self.name))
+
+    def delete(self, conn: Conn) -> int:
+        """Delete the queue: every message (held ones too), channel and policy."""
+        return run(require_sync(conn), delete_queue_op(self.schema, self.name))
+
+    def stats(self, conn: Conn, *, count_ready: bool = True) -> QueueStats:
+        """Exact counters. Splitting waiting messages into ready and delayed counts them
+        (cost grows with the backlog); pass ``count_ready=False`` to skip it."""
+        return run(require_sync(conn), stats_op(self.schema, self.name, count_ready=count_ready))
+
+    def size(self, conn: Conn) -> int:
+        """Messages waiting (ready or delayed, not held by a consumer), from the counters."""
+        return self.stats(conn, count_ready=False).waiting
+
+
+class QueuePolicy:
+    def __init__(self, queue: Queue) -> None:
+        self._queue = queue
+
+    @overload
+    def set(self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> None: ...
+    @overload
+    def set(self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> Awaitable[None]: ...
+    def set(
+        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
+    ) -> None | Awaitable[None]:
+        """Set the default for every channel without its own policy (None: no limit)."""
+        q = self._queue
+        return execute(conn, queue_set_op(q.schema, q.name, max_concurrency, max_size))
+
+    @overload
+    def clear(self, conn: Conn) -> None: ...
+    @overload
+    def clear(self, conn: AConn) -> Awaitable[None]: ...
+    def clear(self, conn: Conn | AConn) -> None | Awaitable[None]:
+        q = self._queue
+        return execute(conn, queue_set_op(q.schema, q.name, None, None))
+
+    def get(self, conn: Conn) -> Policy:
+        q = self._queue
+        return run(require_sync(conn), queue_get_op(q.schema, q.name))
+
+
+class Channel:
+    """A channel (tenant sub-queue) of a queue. Costs nothing until used."""
+
+    def __init__(self, queue: Queue, name: str) -> None:
+        self.queue = queue
+        self.name = _checks.name(name, "channel")
+
+    def __repr__(self) -> str:
+        return f"Channel({self.queue.name!r}, {self.name!r})"
+
+    @property
+    def message(self) -> ChannelMessages:
+        return ChannelMessages(self)
+
+    @property
+    def policy(self) -> ChannelPolicy:
+        return ChannelPolicy(self)
+
+    def info(self, conn: Conn) -> ChannelInfo:
+        """The channel's policies and counters."""
+        q = self.queue
+        return run(require_sync(conn), channel_get_op(q.schema, q.name, self.name))
+
+
+class ChannelMessages:
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+
+    @overload
+    def create(
+        self,
+        conn: Conn,
+        content: bytes | str,
+        *,
+        name: str | None = ...,
+        delay_ms: float = ...,
+        priority: int = ...,
+        raise_if_dropped: bool = ...,
+    ) -> CreateResult: ...
+    @overload
+    def create(
+        self,
+        conn: AConn,
+        content: bytes | str,
+        *,
+        name: str | None = ...,
+        delay_ms: float = ...,
+        priority: int = ...,
+        raise_if_dropped: bool = ...,
+    ) -> Awaitable[CreateResult]: ...
+    def create(
+        self,
+        conn: Conn | AConn,
+        content: bytes | str,
+        *,
+        name: str | None = None,
+        delay_ms: float = 0,
+        priority: int = 0,
+        raise_if_dropped: bool = True,
+    ) -> CreateResult | Awaitable[CreateResult]:
+        """Create a message in the caller's transaction.
+
+        ``name`` de-duplicates: while a never-dequeued message of that name is in the channel,
+        nothing is created and the result is ``Deduplicated(existing_id)``. ``delay_ms`` keeps
+        it invisible until due; ``priority`` (0-255, higher first) orders it within the
+        channel. A full channel raises :class:`~lonnymq.ChannelFull`, or gives
+        ``Dropped`` when ``raise_if_dropped=False``.
+        """
+        ch = self._channel
+        broker = ch.queue.broker
+        op = create_op(
+            broker.schema,
+            ch.queue.name,
+            ch.name,
+            content,
+            name=name,
+            delay_ms=delay_ms,
+            priority=priority,
+            raise_if_dropped=raise_if_dropped,
+            max_message_bytes=broker.max_message_bytes,
+        )
+        return execute(conn, op)
+
+
+class ChannelPolicy:
+    def __init__(self, channel: Channel) -> None:
+        self._channel = channel
+
+    @overload
+    def set(self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> None: ...
+    @overload
+    def set(self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> Awaitable[None]: ...
+    def set(
+        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
+    ) -> None | Awaitable[None]:
+        """Set the channel's own policy (None: no limit); applies to the messages it holds."""
+        ch = self._channel
+        return execute(
+            conn, channel_set_op(ch.queue.schema, ch.queue.name, ch.name, max_concurrency, max_size)
+        )
+
+    @overload
+    def clear(self, conn: Conn) -> None: ...
+    @overload
+    def clear(self, conn: AConn) -> Awaitable[None]: ...
+    def clear(self, conn: Conn | AConn) -> None | Awaitable[None]:
+        """Remove the channel's own policy: the queue default applies again."""
+        ch = self._channel
+        return execute(conn, channel_clear_op(ch.queue.schema, ch.queue.name, ch.name))
+
+    def get(self, conn: Conn) -> Policy | None:
+        """The channel's own policy, or None when it follows the queue default."""
+        return self._channel.info(conn).own

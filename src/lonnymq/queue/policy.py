@@ -1,0 +1,98 @@
+"""Channel policies: max_concurrency (messages held by consumers at once) and max_size
+(messages held in all). Per (queue, channel), with a queue-wide default for channels without
+their own. Enforced inside the SQL functions, under the channel's row lock."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import LiteralString
+
+from . import _checks
+from ._ops import Op, Rows, render
+
+_CHANNEL_SET: LiteralString = (
+    "SELECT {schema}.channel_policy_set_v1(%s::text, %s::text, %s::integer, %s::integer)"
+)
+_CHANNEL_CLEAR: LiteralString = "SELECT {schema}.channel_policy_clear_v1(%s::text, %s::text)"
+_QUEUE_SET: LiteralString = (
+    "SELECT {schema}.queue_policy_set_v1(%s::text, %s::integer, %s::integer)"
+)
+_CHANNEL_GET: LiteralString = (
+    "SELECT c.has_policy, c.own_max_concurrency, c.own_max_size, "
+    "q.max_concurrency, q.max_size, c.current_size, c.current_concurrency "
+    "FROM {schema}.queue q LEFT JOIN {schema}.channel c ON c.queue_id = q.id AND c.name = %s "
+    "WHERE q.name = %s"
+)
+_QUEUE_GET: LiteralString = "SELECT max_concurrency, max_size FROM {schema}.queue WHERE name = %s"
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """Limits of a channel or a queue default; None means no limit."""
+
+    max_concurrency: int | None = None
+    max_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelInfo:
+    """A channel's own policy (None when it has none), the queue default, the limits in
+    force, and its counters."""
+
+    own: Policy | None
+    default: Policy
+    size: int
+    in_flight: int
+
+    @property
+    def effective(self) -> Policy:
+        return self.own if self.own is not None else self.default
+
+
+def _limits(max_concurrency: object, max_size: object) -> tuple[int | None, int | None]:
+    return (
+        _checks.limit_or_none(max_concurrency, "max_concurrency"),
+        _checks.limit_or_none(max_size, "max_size"),
+    )
+
+
+def _none(rows: Rows) -> None:
+    return None
+
+
+def channel_set_op(
+    schema: str, queue: str, channel: str, max_concurrency: object, max_size: object
+) -> Op[None]:
+    params = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
+    params += _limits(max_concurrency, max_size)
+    return Op(schema, render(_CHANNEL_SET, schema), params, _none)
+
+
+def channel_clear_op(schema: str, queue: str, channel: str) -> Op[None]:
+    params = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
+    return Op(schema, render(_CHANNEL_CLEAR, schema), params, _none)
+
+
+def queue_set_op(schema: str, queue: str, max_concurrency: object, max_size: object) -> Op[None]:
+    params = (_checks.name(queue, "queue"), *_limits(max_concurrency, max_size))
+    return Op(schema, render(_QUEUE_SET, schema), params, _none)
+
+
+def channel_get_op(schema: str, queue: str, channel: str) -> Op[ChannelInfo]:
+    params = (_checks.name(channel, "channel"), _checks.name(queue, "queue"))
+
+    def parse(rows: Rows) -> ChannelInfo:
+        if not rows:
+            return ChannelInfo(None, Policy(), 0, 0)
+        has, own_c, own_s, def_c, def_s, size, in_flight = rows[0]
+        own = Policy(own_c, own_s) if has else None
+        return ChannelInfo(own, Policy(def_c, def_s), size or 0, in_flight or 0)
+
+    return Op(schema, render(_CHANNEL_GET, schema), params, parse)
+
+
+def queue_get_op(schema: str, queue: str) -> Op[Policy]:
+    def parse(rows: Rows) -> Policy:
+        return Policy(*rows[0]) if rows else Policy()
+
+    return Op(schema, render(_QUEUE_GET, schema), (_checks.name(queue, "queue"),), parse)

@@ -1,0 +1,778 @@
+-- lonnymq schema: the full current version, used for a fresh install.
+--
+-- Placeholders filled in by lonnymq.migrations through psycopg.sql composition:
+--   {schema}      the schema, as a quoted identifier
+--   {wake}        the NOTIFY channel of this schema, as a string literal
+--   {lock_prefix} the prefix of this schema's advisory lock keys, as a string literal
+-- Every object is qualified with {schema}; nothing relies on search_path.
+--
+-- The model (see docs/design.md):
+--   queue    one row per Kombu queue, holding the queue-wide default channel policy.
+--   channel  one row per (queue, channel) that holds messages or has a policy of its own.
+--            It carries the effective policy, exact counters and the round-robin key
+--            `waiting_since`: the time since which the channel has been waiting for its next
+--            turn, or NULL when it has nothing to hand out (no unlocked message, or it is at
+--            max_concurrency). Dequeue serves channels in waiting_since order.
+--   message  one row per message; locked while a consumer holds it (locked_until, lock_token).
+
+CREATE SCHEMA IF NOT EXISTS {schema};
+
+CREATE TABLE {schema}.migration (
+    version integer PRIMARY KEY,
+    name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE {schema}.queue (
+    id integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    max_concurrency integer CHECK (max_concurrency >= 0),
+    max_size integer CHECK (max_size >= 0),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    name text NOT NULL UNIQUE CHECK (length(name) BETWEEN 1 AND 255)
+);
+
+CREATE TABLE {schema}.channel (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue_id integer NOT NULL,
+    current_size integer NOT NULL DEFAULT 0 CHECK (current_size >= 0),
+    current_concurrency integer NOT NULL DEFAULT 0 CHECK (current_concurrency >= 0),
+    -- effective policy: the channel's own when has_policy, else the queue default
+    max_concurrency integer,
+    max_size integer,
+    has_policy boolean NOT NULL DEFAULT false,
+    own_max_concurrency integer CHECK (own_max_concurrency >= 0),
+    own_max_size integer CHECK (own_max_size >= 0),
+    served_at timestamptz NOT NULL DEFAULT '-infinity',
+    waiting_since timestamptz,
+    name text NOT NULL CHECK (length(name) BETWEEN 1 AND 255),
+    UNIQUE (queue_id, name)
+);
+
+CREATE INDEX channel_waiting_idx ON {schema}.channel (queue_id, waiting_since, id)
+    WHERE waiting_since IS NOT NULL;
+
+CREATE TABLE {schema}.message (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    channel_id bigint NOT NULL,
+    queue_id integer NOT NULL,
+    priority smallint NOT NULL DEFAULT 0 CHECK (priority BETWEEN 0 AND 255),
+    attempts integer NOT NULL DEFAULT 0,
+    dequeue_at timestamptz NOT NULL,
+    locked_until timestamptz,
+    lock_token uuid,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    name text CHECK (length(name) BETWEEN 1 AND 255),
+    content bytea NOT NULL,
+    state bytea
+);
+
+-- Unlocked messages of a channel in the order they are handed out.
+CREATE INDEX message_ready_idx ON {schema}.message (channel_id, priority DESC, dequeue_at, id)
+    WHERE locked_until IS NULL;
+-- Locked messages of a queue, oldest lock expiry first.
+CREATE INDEX message_locked_idx ON {schema}.message (queue_id, locked_until)
+    WHERE locked_until IS NOT NULL;
+-- De-duplication: one never-dequeued message per (channel, name).
+CREATE UNIQUE INDEX message_name_idx ON {schema}.message (channel_id, name)
+    WHERE name IS NOT NULL AND attempts = 0;
+
+
+-- The id of a queue, created on first use.
+CREATE FUNCTION {schema}.queue_ensure_v1(p_queue text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id integer;
+BEGIN
+    SELECT q.id INTO v_id FROM {schema}.queue q WHERE q.name = p_queue;
+    IF v_id IS NULL THEN
+        INSERT INTO {schema}.queue (name) VALUES (p_queue)
+        ON CONFLICT (name) DO NOTHING
+        RETURNING id INTO v_id;
+        IF v_id IS NULL THEN
+            SELECT q.id INTO v_id FROM {schema}.queue q WHERE q.name = p_queue;
+        END IF;
+    END IF;
+    RETURN v_id;
+END;
+$$;
+
+
+-- The earliest dequeue_at among a channel's unlocked messages (NULL if none).
+-- One index descent per distinct priority present in the channel.
+CREATE FUNCTION {schema}.channel_next_due_v1(p_channel_id bigint) RETURNS timestamptz
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_priority smallint;
+    v_at timestamptz;
+    v_min timestamptz;
+BEGIN
+    SELECT m.priority, m.dequeue_at INTO v_priority, v_at
+    FROM {schema}.message m
+    WHERE m.channel_id = p_channel_id AND m.locked_until IS NULL
+    ORDER BY m.priority DESC, m.dequeue_at, m.id
+    LIMIT 1;
+    WHILE v_priority IS NOT NULL LOOP
+        v_min := LEAST(v_min, v_at);
+        SELECT m.priority, m.dequeue_at INTO v_priority, v_at
+        FROM {schema}.message m
+        WHERE m.channel_id = p_channel_id AND m.locked_until IS NULL AND m.priority < v_priority
+        ORDER BY m.priority DESC, m.dequeue_at, m.id
+        LIMIT 1;
+    END LOOP;
+    RETURN v_min;
+END;
+$$;
+
+
+-- The waiting_since a channel should have, from scratch.
+CREATE FUNCTION {schema}.channel_waiting_v1(p_channel {schema}.channel) RETURNS timestamptz
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_due timestamptz;
+BEGIN
+    IF p_channel.max_concurrency IS NOT NULL
+       AND p_channel.current_concurrency >= p_channel.max_concurrency THEN
+        RETURN NULL;
+    END IF;
+    v_due := {schema}.channel_next_due_v1(p_channel.id);
+    IF v_due IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN GREATEST(v_due, p_channel.served_at);
+END;
+$$;
+
+
+-- Lock the channel row of (queue, channel), creating it with the queue's default policy.
+CREATE FUNCTION {schema}.channel_lock_v1(p_queue_id integer, p_channel text)
+RETURNS {schema}.channel
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel {schema}.channel;
+BEGIN
+    LOOP
+        SELECT * INTO v_channel FROM {schema}.channel c
+        WHERE c.queue_id = p_queue_id AND c.name = p_channel
+        FOR UPDATE;
+        IF FOUND THEN
+            RETURN v_channel;
+        END IF;
+        INSERT INTO {schema}.channel (queue_id, name, max_concurrency, max_size)
+        SELECT p_queue_id, p_channel, q.max_concurrency, q.max_size
+        FROM {schema}.queue q WHERE q.id = p_queue_id
+        ON CONFLICT (queue_id, name) DO NOTHING
+        RETURNING * INTO v_channel;
+        IF v_channel.id IS NOT NULL THEN
+            RETURN v_channel;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+
+-- Apply a channel row's new counters/policy; recompute waiting_since when saturation changed
+-- (or when asked to), delete the row when it is empty and has no policy of its own, and
+-- NOTIFY when the channel has something to hand out that it did not have before.
+CREATE FUNCTION {schema}.channel_store_v1(
+    p_old {schema}.channel, p_new {schema}.channel, p_recompute boolean
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_saturated boolean;
+    v_was_saturated boolean;
+BEGIN
+    IF p_new.current_size = 0 AND NOT p_new.has_policy THEN
+        DELETE FROM {schema}.channel WHERE id = p_new.id;
+        RETURN;
+    END IF;
+    v_saturated := p_new.max_concurrency IS NOT NULL
+        AND p_new.current_concurrency >= p_new.max_concurrency;
+    v_was_saturated := p_old.max_concurrency IS NOT NULL
+        AND p_old.current_concurrency >= p_old.max_concurrency;
+    IF v_saturated THEN
+        p_new.waiting_since := NULL;
+    ELSIF p_recompute OR v_was_saturated THEN
+        p_new.waiting_since := {schema}.channel_waiting_v1(p_new);
+    END IF;
+    UPDATE {schema}.channel SET
+        current_size = p_new.current_size,
+        current_concurrency = p_new.current_concurrency,
+        max_concurrency = p_new.max_concurrency,
+        max_size = p_new.max_size,
+        has_policy = p_new.has_policy,
+        own_max_concurrency = p_new.own_max_concurrency,
+        own_max_size = p_new.own_max_size,
+        served_at = p_new.served_at,
+        waiting_since = p_new.waiting_since
+    WHERE id = p_new.id;
+    IF p_new.waiting_since IS NOT NULL
+       AND (p_old.waiting_since IS NULL OR p_new.waiting_since < p_old.waiting_since) THEN
+        PERFORM pg_notify({wake}, (SELECT q.name FROM {schema}.queue q WHERE q.id = p_new.queue_id));
+    END IF;
+END;
+$$;
+
+
+-- Create a message. result_code: 'created', 'deduplicated' (message_id is the existing one)
+-- or 'dropped' (the channel is at max_size).
+CREATE FUNCTION {schema}.message_create_v1(
+    p_queue text,
+    p_channel text,
+    p_name text,
+    p_content bytea,
+    p_priority integer,
+    p_delay_ms bigint,
+    OUT result_code text,
+    OUT message_id bigint
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+    v_at timestamptz;
+    v_due timestamptz;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended({lock_prefix} || p_queue, 0));
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    v_old := {schema}.channel_lock_v1(v_queue_id, p_channel);
+    v_new := v_old;
+    IF p_name IS NOT NULL THEN
+        SELECT m.id INTO message_id FROM {schema}.message m
+        WHERE m.channel_id = v_old.id AND m.name = p_name AND m.attempts = 0;
+        IF message_id IS NOT NULL THEN
+            result_code := 'deduplicated';
+            RETURN;
+        END IF;
+    END IF;
+    IF v_old.max_size IS NOT NULL AND v_old.current_size >= v_old.max_size THEN
+        result_code := 'dropped';
+        -- a channel row created by this call and left empty must not linger
+        PERFORM {schema}.channel_store_v1(v_old, v_new, false);
+        RETURN;
+    END IF;
+    v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';
+    INSERT INTO {schema}.message (channel_id, queue_id, priority, dequeue_at, name, content)
+    VALUES (v_old.id, v_queue_id, p_priority, v_at, p_name, p_content)
+    RETURNING id INTO message_id;
+    v_new.current_size := v_old.current_size + 1;
+    IF v_new.max_concurrency IS NULL OR v_new.current_concurrency < v_new.max_concurrency THEN
+        v_due := GREATEST(v_at, v_old.served_at);
+        IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
+            v_new.waiting_since := v_due;
+        END IF;
+    END IF;
+    PERFORM {schema}.channel_store_v1(v_old, v_new, false);
+    result_code := 'created';
+END;
+$$;
+
+
+-- Up to p_limit unlocked, due messages of a channel, best first, with their rank.
+-- Within a channel: highest priority, then earliest due, then oldest. One bounded index
+-- range scan per distinct priority, so delayed messages are never scanned.
+CREATE FUNCTION {schema}.channel_take_v1(p_channel_id bigint, p_limit integer, p_now timestamptz)
+RETURNS SETOF bigint
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_priority smallint;
+    v_left integer := p_limit;
+    v_n integer;
+BEGIN
+    SELECT m.priority INTO v_priority FROM {schema}.message m
+    WHERE m.channel_id = p_channel_id AND m.locked_until IS NULL
+    ORDER BY m.priority DESC, m.dequeue_at, m.id
+    LIMIT 1;
+    WHILE v_priority IS NOT NULL AND v_left > 0 LOOP
+        RETURN QUERY
+            SELECT m.id FROM {schema}.message m
+            WHERE m.channel_id = p_channel_id AND m.locked_until IS NULL
+              AND m.priority = v_priority AND m.dequeue_at <= p_now
+            ORDER BY m.priority DESC, m.dequeue_at, m.id
+            LIMIT v_left;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_left := v_left - v_n;
+        EXIT WHEN v_left <= 0;
+        SELECT m.priority INTO v_priority FROM {schema}.message m
+        WHERE m.channel_id = p_channel_id AND m.locked_until IS NULL AND m.priority < v_priority
+        ORDER BY m.priority DESC, m.dequeue_at, m.id
+        LIMIT 1;
+    END LOOP;
+END;
+$$;
+
+
+-- Milliseconds until something in the given queues may become available: a channel's turn
+-- (a delayed message falling due) or a lock expiring. NULL when nothing is pending.
+CREATE FUNCTION {schema}.queue_retry_ms_v1(p_queue_ids integer[]) RETURNS bigint
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_next timestamptz;
+BEGIN
+    SELECT LEAST(
+        (SELECT min(w.at) FROM unnest(p_queue_ids) AS qid CROSS JOIN LATERAL (
+            SELECT c.waiting_since AS at FROM {schema}.channel c
+            WHERE c.queue_id = qid AND c.waiting_since IS NOT NULL
+            ORDER BY c.waiting_since LIMIT 1) AS w),
+        (SELECT min(l.at) FROM unnest(p_queue_ids) AS qid CROSS JOIN LATERAL (
+            SELECT m.locked_until AS at FROM {schema}.message m
+            WHERE m.queue_id = qid AND m.locked_until IS NOT NULL
+            ORDER BY m.locked_until LIMIT 1) AS l)
+    ) INTO v_next;
+    IF v_next IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN GREATEST(0, ceil(extract(epoch FROM v_next - clock_timestamp()) * 1000))::bigint;
+END;
+$$;
+
+
+-- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms.
+-- Messages whose lock expired come first (their holder is gone); then channels with a due
+-- message are served round-robin, the one waiting longest first, skipping channels at
+-- max_concurrency. Rows come back in delivery order. When no message is available, one row
+-- comes back with message_id NULL and retry_ms: milliseconds until something may become
+-- available (NULL: nothing is pending).
+CREATE FUNCTION {schema}.message_dequeue_v1(p_queues text[], p_limit integer, p_lock_ms bigint)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_queue_ids integer[];
+    v_got integer := 0;
+    v_left integer;
+    v_n integer;
+    v_channels {schema}.channel[];
+    v_taken integer[];
+    v_done boolean[];
+    v_new {schema}.channel;
+    v_batch bigint[];
+    v_ids bigint[] := ARRAY[]::bigint[];
+    v_ranks integer[] := ARRAY[]::integer[];
+    v_orders integer[] := ARRAY[]::integer[];
+    v_quota integer;
+    v_open integer;
+    v_cap integer;
+    v_try integer := 0;
+    v_wait_id bigint;
+    i integer;
+BEGIN
+    SELECT array_agg(q.id) INTO v_queue_ids FROM {schema}.queue q WHERE q.name = ANY (p_queues);
+    IF v_queue_ids IS NULL THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint;
+        RETURN;
+    END IF;
+
+    -- 1. Messages whose lock expired. They still count against their channel's concurrency,
+    --    so they are re-locked without touching the channel row.
+    RETURN QUERY
+        WITH expired AS (
+            SELECT m.id FROM {schema}.message m
+            WHERE m.queue_id = ANY (v_queue_ids) AND m.locked_until <= v_now
+            ORDER BY m.locked_until
+            LIMIT p_limit
+            FOR UPDATE SKIP LOCKED
+        ), relocked AS (
+            UPDATE {schema}.message m SET
+                locked_until = v_now + v_lock,
+                lock_token = gen_random_uuid(),
+                attempts = m.attempts + 1
+            FROM expired e WHERE m.id = e.id
+            RETURNING m.*
+        )
+        SELECT r.id, q.name, c.name, r.name, r.priority, r.attempts, r.lock_token,
+               r.created_at, r.content, r.state, NULL::bigint
+        FROM relocked r
+        JOIN {schema}.channel c ON c.id = r.channel_id
+        JOIN {schema}.queue q ON q.id = r.queue_id
+        ORDER BY r.id;
+    GET DIAGNOSTICS v_got = ROW_COUNT;
+    v_left := p_limit - v_got;
+
+    -- 2. Lock the channels whose turn it is.
+    WHILE v_left > 0 LOOP
+        SELECT array_agg(s.c ORDER BY (s.c).waiting_since, (s.c).id) INTO v_channels
+        FROM (
+            SELECT l.c FROM unnest(v_queue_ids) AS qid
+            CROSS JOIN LATERAL (
+                SELECT c FROM {schema}.channel c
+                WHERE c.queue_id = qid AND c.waiting_since <= v_now
+                ORDER BY c.waiting_since, c.id
+                LIMIT v_left
+                FOR UPDATE SKIP LOCKED
+            ) AS l
+            ORDER BY (l.c).waiting_since, (l.c).id
+            LIMIT v_left
+        ) AS s;
+        EXIT WHEN v_channels IS NOT NULL OR v_got > 0 OR v_try >= 3;
+        -- Nothing could be locked. If a channel is due, another transaction holds it (a
+        -- create, an ack or another dequeue in flight): wait for it instead of reporting an
+        -- empty queue, which would send the consumer to sleep with work waiting.
+        v_try := v_try + 1;
+        SELECT w.id INTO v_wait_id FROM unnest(v_queue_ids) AS qid
+        CROSS JOIN LATERAL (
+            SELECT c.id, c.waiting_since FROM {schema}.channel c
+            WHERE c.queue_id = qid AND c.waiting_since <= v_now
+            ORDER BY c.waiting_since, c.id
+            LIMIT 1
+        ) AS w
+        ORDER BY w.waiting_since, w.id
+        LIMIT 1;
+        EXIT WHEN v_wait_id IS NULL;
+        PERFORM 1 FROM {schema}.channel c WHERE c.id = v_wait_id FOR UPDATE;
+        v_wait_id := NULL;
+    END LOOP;
+
+    IF v_channels IS NOT NULL THEN
+        -- 3. Take messages in passes: each open channel gets an equal share of what is left;
+        --    a channel that filled its share stays open for the next pass.
+        v_taken := array_fill(0, ARRAY[cardinality(v_channels)]);
+        v_done := array_fill(false, ARRAY[cardinality(v_channels)]);
+        v_open := cardinality(v_channels);
+        WHILE v_left > 0 AND v_open > 0 LOOP
+            v_quota := ceil(v_left::numeric / v_open)::integer;
+            v_open := 0;
+            FOR i IN 1 .. cardinality(v_channels) LOOP
+                EXIT WHEN v_left <= 0;
+                v_cap := LEAST(v_quota, v_left);
+                IF v_channels[i].max_concurrency IS NOT NULL THEN
+                    v_cap := LEAST(v_cap, v_channels[i].max_concurrency
+                        - v_channels[i].current_concurrency - v_taken[i]);
+                END IF;
+                CONTINUE WHEN v_cap <= 0 OR v_done[i];
+                WITH t AS (
+                    SELECT x.id, x.rn
+                    FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
+                        WITH ORDINALITY AS x(id, rn)
+                ), u AS (
+                    UPDATE {schema}.message m SET
+                        locked_until = v_now + v_lock,
+                        lock_token = gen_random_uuid(),
+                        attempts = m.attempts + 1
+                    FROM t WHERE m.id = t.id
+                    RETURNING m.id, t.rn
+                )
+                SELECT array_agg(u.id ORDER BY u.rn) INTO v_batch FROM u;
+                v_n := coalesce(cardinality(v_batch), 0);
+                IF v_n < v_cap THEN
+                    v_done[i] := true;  -- nothing more due in this channel
+                END IF;
+                CONTINUE WHEN v_n = 0;
+                v_ids := v_ids || v_batch;
+                v_ranks := v_ranks || ARRAY(SELECT v_taken[i] + g FROM generate_series(1, v_n) AS g);
+                v_orders := v_orders || array_fill(i, ARRAY[v_n]);
+                v_taken[i] := v_taken[i] + v_n;
+                v_left := v_left - v_n;
+                IF NOT v_done[i] THEN
+                    v_open := v_open + 1;
+                END IF;
+            END LOOP;
+        END LOOP;
+
+        RETURN QUERY
+            SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts, m.lock_token,
+                   m.created_at, m.content, m.state, NULL::bigint
+            FROM unnest(v_ids, v_ranks, v_orders) AS s(id, rnk, ord)
+            JOIN {schema}.message m ON m.id = s.id
+            JOIN {schema}.channel c ON c.id = m.channel_id
+            JOIN {schema}.queue q ON q.id = m.queue_id
+            ORDER BY s.rnk, s.ord;
+
+        -- 4. Move the served channels to the back of the round, in the order served.
+        FOR i IN 1 .. cardinality(v_channels) LOOP
+            v_new := v_channels[i];
+            v_new.current_concurrency := v_new.current_concurrency + v_taken[i];
+            IF v_taken[i] > 0 THEN
+                v_new.served_at := clock_timestamp();
+            END IF;
+            PERFORM {schema}.channel_store_v1(v_channels[i], v_new, true);
+        END LOOP;
+        v_got := v_got + cardinality(v_ids);
+    END IF;
+
+    IF v_got = 0 THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+            {schema}.queue_retry_ms_v1(v_queue_ids);
+    END IF;
+END;
+$$;
+
+
+-- Release a held message's slot on its channel (after delete or defer).
+CREATE FUNCTION {schema}.channel_release_v1(
+    p_channel_id bigint, p_size_delta integer, p_due timestamptz
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+    v_due timestamptz;
+BEGIN
+    SELECT * INTO v_old FROM {schema}.channel c WHERE c.id = p_channel_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_new := v_old;
+    v_new.current_size := GREATEST(0, v_old.current_size + p_size_delta);
+    v_new.current_concurrency := GREATEST(0, v_old.current_concurrency - 1);
+    IF p_due IS NOT NULL THEN
+        v_due := GREATEST(p_due, v_old.served_at);
+        IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
+            v_new.waiting_since := v_due;
+        END IF;
+    END IF;
+    PERFORM {schema}.channel_store_v1(v_old, v_new, false);
+END;
+$$;
+
+
+-- Delete (acknowledge) a held message. result_code: 'ok', 'state_invalid' (the message is
+-- held under another lock token, or not held) or 'not_found'.
+CREATE FUNCTION {schema}.message_delete_v1(p_id bigint, p_lock_token uuid, OUT result_code text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel_id bigint;
+BEGIN
+    DELETE FROM {schema}.message m
+    WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
+    RETURNING m.channel_id INTO v_channel_id;
+    IF v_channel_id IS NULL THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
+            THEN 'state_invalid' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    PERFORM {schema}.channel_release_v1(v_channel_id, -1, NULL);
+    result_code := 'ok';
+END;
+$$;
+
+
+-- Defer a held message: unlock it, due again after p_delay_ms, with new state when
+-- p_set_state. Attempts are kept. result_code as for delete.
+CREATE FUNCTION {schema}.message_defer_v1(
+    p_id bigint, p_lock_token uuid, p_delay_ms bigint, p_set_state boolean, p_state bytea,
+    OUT result_code text
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel_id bigint;
+    v_at timestamptz;
+BEGIN
+    UPDATE {schema}.message m SET
+        locked_until = NULL,
+        lock_token = NULL,
+        dequeue_at = clock_timestamp() + p_delay_ms * interval '1 millisecond',
+        state = CASE WHEN p_set_state THEN p_state ELSE m.state END
+    WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
+    RETURNING m.channel_id, m.dequeue_at INTO v_channel_id, v_at;
+    IF v_channel_id IS NULL THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
+            THEN 'state_invalid' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    PERFORM {schema}.channel_release_v1(v_channel_id, 0, v_at);
+    result_code := 'ok';
+END;
+$$;
+
+
+-- Extend the locks of held messages. Returns the ids whose lock was extended (a message
+-- whose token no longer matches is left out) with their new lock expiry.
+CREATE FUNCTION {schema}.message_heartbeat_v1(p_ids bigint[], p_lock_tokens uuid[], p_lock_ms bigint)
+RETURNS TABLE (message_id bigint, locked_until timestamptz)
+LANGUAGE sql AS $$
+    UPDATE {schema}.message m SET locked_until = clock_timestamp() + p_lock_ms * interval '1 millisecond'
+    FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
+    WHERE m.id = h.id AND m.lock_token = h.lock_token AND m.locked_until IS NOT NULL
+    RETURNING m.id, m.locked_until;
+$$;
+
+
+-- Set a channel's own policy (NULL: no limit). Applies at once to the messages it holds.
+CREATE FUNCTION {schema}.channel_policy_set_v1(
+    p_queue text, p_channel text, p_max_concurrency integer, p_max_size integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended({lock_prefix} || p_queue, 0));
+    v_old := {schema}.channel_lock_v1({schema}.queue_ensure_v1(p_queue), p_channel);
+    v_new := v_old;
+    v_new.has_policy := true;
+    v_new.own_max_concurrency := p_max_concurrency;
+    v_new.own_max_size := p_max_size;
+    v_new.max_concurrency := p_max_concurrency;
+    v_new.max_size := p_max_size;
+    PERFORM {schema}.channel_store_v1(v_old, v_new, true);
+END;
+$$;
+
+
+-- Remove a channel's own policy: it falls back to the queue default.
+CREATE FUNCTION {schema}.channel_policy_clear_v1(p_queue text, p_channel text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended({lock_prefix} || p_queue, 0));
+    SELECT c.* INTO v_old FROM {schema}.channel c
+    JOIN {schema}.queue q ON q.id = c.queue_id
+    WHERE q.name = p_queue AND c.name = p_channel
+    FOR UPDATE OF c;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_new := v_old;
+    v_new.has_policy := false;
+    v_new.own_max_concurrency := NULL;
+    v_new.own_max_size := NULL;
+    SELECT q.max_concurrency, q.max_size INTO v_new.max_concurrency, v_new.max_size
+    FROM {schema}.queue q WHERE q.id = v_old.queue_id;
+    PERFORM {schema}.channel_store_v1(v_old, v_new, true);
+END;
+$$;
+
+
+-- Set (or, with NULLs, clear) the queue-wide default policy, applied at once to every channel
+-- of the queue that has no policy of its own.
+CREATE FUNCTION {schema}.queue_policy_set_v1(
+    p_queue text, p_max_concurrency integer, p_max_size integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || p_queue, 0));
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue SET max_concurrency = p_max_concurrency, max_size = p_max_size
+    WHERE id = v_queue_id;
+    FOR v_old IN
+        SELECT * FROM {schema}.channel c
+        WHERE c.queue_id = v_queue_id AND NOT c.has_policy
+        ORDER BY c.name
+        FOR UPDATE
+    LOOP
+        v_new := v_old;
+        v_new.max_concurrency := p_max_concurrency;
+        v_new.max_size := p_max_size;
+        PERFORM {schema}.channel_store_v1(v_old, v_new, true);
+    END LOOP;
+END;
+$$;
+
+
+-- Delete every message of a queue that is not held by a consumer (ready and delayed ones).
+-- Returns how many were deleted. Held messages stay until acked or their lock expires.
+CREATE FUNCTION {schema}.queue_purge_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+    v_n bigint;
+    v_total bigint := 0;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || p_queue, 0));
+    FOR v_old IN
+        SELECT c.* FROM {schema}.channel c
+        JOIN {schema}.queue q ON q.id = c.queue_id
+        WHERE q.name = p_queue
+        ORDER BY c.name
+        FOR UPDATE OF c
+    LOOP
+        DELETE FROM {schema}.message m WHERE m.channel_id = v_old.id AND m.locked_until IS NULL;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        v_total := v_total + v_n;
+        v_new := v_old;
+        v_new.current_size := v_old.current_size - v_n;
+        v_new.waiting_since := NULL;
+        PERFORM {schema}.channel_store_v1(v_old, v_new, false);
+    END LOOP;
+    RETURN v_total;
+END;
+$$;
+
+
+-- Delete a queue: all its messages (held ones too), channels, policies.
+-- Returns how many messages were deleted.
+CREATE FUNCTION {schema}.queue_delete_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_n bigint := 0;
+    v_m bigint;
+    v_channel_id bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || p_queue, 0));
+    SELECT q.id INTO v_queue_id FROM {schema}.queue q WHERE q.name = p_queue FOR UPDATE;
+    IF v_queue_id IS NULL THEN
+        RETURN 0;
+    END IF;
+    FOR v_channel_id IN
+        SELECT c.id FROM {schema}.channel c WHERE c.queue_id = v_queue_id ORDER BY c.name FOR UPDATE
+    LOOP
+        DELETE FROM {schema}.message m WHERE m.channel_id = v_channel_id;
+        GET DIAGNOSTICS v_m = ROW_COUNT;
+        v_n := v_n + v_m;
+        DELETE FROM {schema}.channel WHERE id = v_channel_id;
+    END LOOP;
+    DELETE FROM {schema}.queue WHERE id = v_queue_id;
+    RETURN v_n;
+END;
+$$;
+
+
+-- Counters of a queue, exact, from its channel rows (ready and delayed are counted from the
+-- messages: O(messages not held)).
+CREATE FUNCTION {schema}.queue_stats_v1(p_queue text, p_count_ready boolean)
+RETURNS TABLE (
+    total bigint, in_flight bigint, ready bigint, delayed bigint, channels bigint,
+    max_concurrency integer, max_size integer
+)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_queue {schema}.queue;
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    SELECT * INTO v_queue FROM {schema}.queue q WHERE q.name = p_queue;
+    IF NOT FOUND THEN
+        RETURN QUERY SELECT 0::bigint, 0::bigint, 0::bigint, 0::bigint, 0::bigint,
+            NULL::integer, NULL::integer;
+        RETURN;
+    END IF;
+    RETURN QUERY
+        SELECT coalesce(sum(c.current_size), 0)::bigint,
+               coalesce(sum(c.current_concurrency), 0)::bigint,
+               CASE WHEN p_count_ready THEN (
+                   SELECT count(*) FROM {schema}.channel c2
+                   JOIN {schema}.message m ON m.channel_id = c2.id AND m.locked_until IS NULL
+                   WHERE c2.queue_id = v_queue.id AND m.dequeue_at <= v_now) END,
+               CASE WHEN p_count_ready THEN (
+                   SELECT count(*) FROM {schema}.channel c2
+                   JOIN {schema}.message m ON m.channel_id = c2.id AND m.locked_until IS NULL
+                   WHERE c2.queue_id = v_queue.id AND m.dequeue_at > v_now) END,
+               count(c.id) FILTER (WHERE c.current_size > 0),
+               v_queue.max_concurrency,
+               v_queue.max_size
+        FROM {schema}.channel c WHERE c.queue_id = v_queue.id;
+END;
+$$;

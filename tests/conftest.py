@@ -1,0 +1,74 @@
+"""Test fixtures: a real Postgres ($LONNYMQ_TEST_DSN, or a throwaway server started here) and
+one fresh schema per test, dropped afterwards."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import lonnymq
+from tests.pgtemp import TempPostgres
+
+Conn = psycopg.Connection[Any]
+
+
+@pytest.fixture(scope="session")
+def pg_dsn() -> Iterator[str]:
+    dsn = os.environ.get("LONNYMQ_TEST_DSN")
+    if dsn:
+        yield dsn
+        return
+    server = TempPostgres().init().start()
+    try:
+        yield server.dsn()
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def schema(pg_dsn: str) -> Iterator[str]:
+    """A fresh, unique schema name, dropped (with everything in it) after the test."""
+    name = f"lmq_test_{uuid.uuid4().hex[:12]}"
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def connect(pg_dsn: str) -> Iterator[Callable[..., Conn]]:
+    """Open autocommit connections that are closed after the test."""
+    opened: list[Conn] = []
+
+    def _connect(**kwargs: Any) -> Conn:
+        kwargs.setdefault("autocommit", True)
+        conn = psycopg.connect(pg_dsn, **kwargs)
+        opened.append(conn)
+        return conn
+
+    yield _connect
+    for conn in opened:
+        conn.close()
+
+
+@pytest.fixture
+def conn(connect: Callable[..., Conn]) -> Conn:
+    return connect()
+
+
+@pytest.fixture
+def broker(schema: str, conn: Conn) -> lonnymq.Broker:
+    """A Broker on a freshly installed schema."""
+    broker = lonnymq.Broker(schema)
+    broker.install(conn)
+    return broker
+
+
+@pytest.fixture
+def queue(broker: lonnymq.Broker) -> lonnymq.Queue:
+    return broker.queue("default")

@@ -1,0 +1,144 @@
+"""A throwaway PostgreSQL server for the tests, from the server binaries on this machine.
+
+Binaries are looked for in $LONNYMQ_PG_BINDIR, `pg_config --bindir`, /usr/lib/postgresql/*/bin,
+the PATH, then the ones bundled by the `pgserver` pip package (installed with the test extra),
+so a fresh machine with nothing but pip can run the tests. As root, the server runs as the
+`postgres` system user (created if missing), since Postgres refuses to run as root.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def _candidates() -> list[Path]:
+    dirs: list[Path] = []
+    if os.environ.get("LONNYMQ_PG_BINDIR"):
+        dirs.append(Path(os.environ["LONNYMQ_PG_BINDIR"]))
+    pg_config = shutil.which("pg_config")
+    if pg_config:
+        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True)
+        if out.returncode == 0:
+            dirs.append(Path(out.stdout.strip()))
+    debian = sorted(
+        Path("/usr/lib/postgresql").glob("*/bin"),
+        key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0,
+        reverse=True,
+    )
+    dirs.extend(debian)
+    on_path = shutil.which("initdb")
+    if on_path:
+        dirs.append(Path(on_path).resolve().parent)
+    return dirs
+
+
+def _pgserver_bindir() -> Path | None:
+    """The binaries bundled in the pgserver wheel, found without importing it (its import
+    has side effects and warnings)."""
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def _usable(d: Path) -> bool:
+    return all((d / exe).exists() for exe in ("initdb", "pg_ctl", "postgres"))
+
+
+def find_bindir() -> Path:
+    for d in _candidates():
+        if _usable(d):
+            return d
+    bundled = _pgserver_bindir()
+    if bundled is not None and _usable(bundled):
+        return bundled
+    raise RuntimeError(
+        "no PostgreSQL server binaries found: set LONNYMQ_TEST_DSN to a database, or install "
+        "the test extra (pip install -e '.[test]', which brings pgserver), or the postgresql "
+        "server package"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class TempPostgres:
+    """initdb + pg_ctl in a temporary directory; stop() removes nothing, cleanup() does."""
+
+    def __init__(self, *, port: int | None = None, settings: dict[str, str] | None = None) -> None:
+        self.bindir = find_bindir()
+        self.root = Path(tempfile.mkdtemp(prefix="lonnymq-pg-"))
+        self.data = self.root / "data"
+        self.port = port or free_port()
+        self.settings = {
+            "listen_addresses": "127.0.0.1",
+            "unix_socket_directories": str(self.root),
+            "max_connections": "200",
+            "fsync": "off",
+            "shared_buffers": "128MB",
+        } | (settings or {})
+        self.user: str | None = None
+        if os.geteuid() == 0:
+            self.user = "postgres"
+            try:
+                pwd.getpwnam(self.user)
+            except KeyError:
+                subprocess.run(["useradd", "-r", "-s", "/bin/sh", self.user], check=True)
+            os.chmod(self.root, 0o755)
+            shutil.chown(self.root, self.user)
+
+    def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self.bindir / args[0]), *args[1:]]
+        if self.user:
+            cmd = ["runuser", "-u", self.user, "--", *cmd]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=self.root)
+
+    def _check(self, result: subprocess.CompletedProcess[str], what: str) -> None:
+        if result.returncode != 0:
+            log = self.root / "log"
+            tail = log.read_text()[-3000:] if log.exists() else ""
+            raise RuntimeError(f"{what} failed: {result.stdout}{result.stderr}\n{tail}")
+
+    def init(self) -> TempPostgres:
+        self._check(
+            self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres",
+                      "--no-sync", "-E", "UTF8", "--locale=C"),
+            "initdb",
+        )
+        with open(self.data / "postgresql.conf", "a") as conf:
+            for key, value in self.settings.items():
+                conf.write(f"{key} = '{value}'\n")
+        return self
+
+    def start(self) -> TempPostgres:
+        self._check(
+            self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-w",
+                      "-t", "60", "-o", f"-p {self.port}", "start"),
+            "pg_ctl start",
+        )
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def cleanup(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
