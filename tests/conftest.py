@@ -13,7 +13,7 @@ import pytest
 from psycopg import sql
 
 import lonnymq
-from tests.pgtemp import TempPostgres
+from lonnymq.testing import TempPostgres
 
 Conn = psycopg.Connection[Any]
 

@@ -22,7 +22,10 @@ def test_create_dequeue_delete(queue: lonnymq.Queue, conn: Conn) -> None:
     assert [m.content for m in got.messages] == [b"hello"]
     message = got.messages[0]
     assert (message.id, message.queue, message.channel, message.attempts) == (
-        result.id, "default", "a", 1,
+        result.id,
+        "default",
+        "a",
+        1,
     )
     assert message.name is None and message.state is None
     assert message.delete(conn) is Outcome.OK

@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 
+from . import migrator
 from .exceptions import (
     ChannelFull,
     ConfigurationError,
@@ -33,7 +34,6 @@ from .exceptions import (
     SchemaNotInstalled,
     SchemaTooNew,
 )
-from . import migrator
 from .migrator import CURRENT_VERSION, DEFAULT_SCHEMA, migrations
 from .queue import (
     KEEP,

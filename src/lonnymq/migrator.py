@@ -76,7 +76,7 @@ CURRENT_VERSION = len(_migration_files())
 def render(template: str, schema: str) -> sql.Composed:
     """Fill a SQL template's placeholders for ``schema``."""
     schema = validate_schema(schema)
-    return sql.SQL(template).format(  # type: ignore[arg-type]
+    return sql.SQL(template).format(
         schema=sql.Identifier(schema),
         wake=sql.Literal(wake_channel(schema)),
         lock_prefix=sql.Literal(f"lonnymq:{schema}:"),
@@ -85,8 +85,7 @@ def render(template: str, schema: str) -> sql.Composed:
 
 def _record(schema: str, migrations: tuple[Migration, ...]) -> sql.Composed:
     rows = sql.SQL(", ").join(
-        sql.SQL("({}, {})").format(sql.Literal(m.version), sql.Literal(m.name))
-        for m in migrations
+        sql.SQL("({}, {})").format(sql.Literal(m.version), sql.Literal(m.name)) for m in migrations
     )
     return sql.SQL("INSERT INTO {}.migration (version, name) VALUES {};\n").format(
         sql.Identifier(schema), rows

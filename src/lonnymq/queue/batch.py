@@ -123,7 +123,9 @@ class Batch:
                         cur = conn.cursor()
                         cur.execute(item.op.query, item.op.params)
                         cursors.append(cur)
-                results = [item.op.parse(cur.fetchall()) for item, cur in zip(items, cursors)]
+                results = [
+                    item.op.parse(cur.fetchall()) for item, cur in zip(items, cursors, strict=True)
+                ]
                 self._finish(items, results, raise_if_dropped)
         except psycopg.Error as exc:
             raise translate(exc, self._schema) from exc
@@ -143,7 +145,10 @@ class Batch:
                         cur = conn.cursor()
                         await cur.execute(item.op.query, item.op.params)
                         cursors.append(cur)
-                results = [item.op.parse(await cur.fetchall()) for item, cur in zip(items, cursors)]
+                results = [
+                    item.op.parse(await cur.fetchall())
+                    for item, cur in zip(items, cursors, strict=True)
+                ]
                 self._finish(items, results, raise_if_dropped)
         except psycopg.Error as exc:
             raise translate(exc, self._schema) from exc
@@ -168,7 +173,9 @@ class BatchQueuePolicy:
     def __init__(self, queue: BatchQueue) -> None:
         self._queue = queue
 
-    def set(self, *, max_concurrency: int | None = None, max_size: int | None = None) -> Pending[None]:
+    def set(
+        self, *, max_concurrency: int | None = None, max_size: int | None = None
+    ) -> Pending[None]:
         """Set the queue-wide default policy (None: no limit)."""
         batch = self._queue._batch
         op = queue_set_op(batch._schema, self._queue.name, max_concurrency, max_size)
@@ -214,7 +221,9 @@ class BatchChannelPolicy:
     def __init__(self, channel: BatchChannel) -> None:
         self._channel = channel
 
-    def set(self, *, max_concurrency: int | None = None, max_size: int | None = None) -> Pending[None]:
+    def set(
+        self, *, max_concurrency: int | None = None, max_size: int | None = None
+    ) -> Pending[None]:
         """Set the channel's own policy (None: no limit)."""
         queue = self._channel._queue
         op = channel_set_op(

@@ -85,7 +85,9 @@ class Broker:
         the one that has waited longest first; within a channel, highest priority, then
         earliest due, then oldest. Run it in its own transaction (autocommit is fine).
         """
-        return run(require_sync(conn), dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms))
+        return run(
+            require_sync(conn), dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms)
+        )
 
     def delete(self, conn: Conn, message_id: int, lock_token: uuid.UUID) -> Outcome:
         """Delete (ack) a held message by id and lock token."""
@@ -187,12 +189,16 @@ class QueuePolicy:
         self._queue = queue
 
     @overload
-    def set(self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> None: ...
+    def set(
+        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> None: ...
     @overload
-    def set(self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> Awaitable[None]: ...
+    def set(
+        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> Awaitable[None]: ...
     def set(
         self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
-    ) -> None | Awaitable[None]:
+    ) -> Awaitable[None] | None:
         """Set the default for every channel without its own policy (None: no limit)."""
         q = self._queue
         return execute(conn, queue_set_op(q.schema, q.name, max_concurrency, max_size))
@@ -201,7 +207,7 @@ class QueuePolicy:
     def clear(self, conn: Conn) -> None: ...
     @overload
     def clear(self, conn: AConn) -> Awaitable[None]: ...
-    def clear(self, conn: Conn | AConn) -> None | Awaitable[None]:
+    def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
         q = self._queue
         return execute(conn, queue_set_op(q.schema, q.name, None, None))
 
@@ -299,12 +305,16 @@ class ChannelPolicy:
         self._channel = channel
 
     @overload
-    def set(self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> None: ...
+    def set(
+        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> None: ...
     @overload
-    def set(self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...) -> Awaitable[None]: ...
+    def set(
+        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> Awaitable[None]: ...
     def set(
         self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
-    ) -> None | Awaitable[None]:
+    ) -> Awaitable[None] | None:
         """Set the channel's own policy (None: no limit); applies to the messages it holds."""
         ch = self._channel
         return execute(
@@ -315,7 +325,7 @@ class ChannelPolicy:
     def clear(self, conn: Conn) -> None: ...
     @overload
     def clear(self, conn: AConn) -> Awaitable[None]: ...
-    def clear(self, conn: Conn | AConn) -> None | Awaitable[None]:
+    def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
         """Remove the channel's own policy: the queue default applies again."""
         ch = self._channel
         return execute(conn, channel_clear_op(ch.queue.schema, ch.queue.name, ch.name))

@@ -63,9 +63,10 @@ def _none(rows: Rows) -> None:
 def channel_set_op(
     schema: str, queue: str, channel: str, max_concurrency: object, max_size: object
 ) -> Op[None]:
-    params = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
-    params += _limits(max_concurrency, max_size)
-    return Op(schema, render(_CHANNEL_SET, schema), params, _none)
+    names = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
+    return Op(
+        schema, render(_CHANNEL_SET, schema), names + _limits(max_concurrency, max_size), _none
+    )
 
 
 def channel_clear_op(schema: str, queue: str, channel: str) -> Op[None]:

@@ -1,10 +1,10 @@
 -- lonnymq schema: the full current version, used for a fresh install.
 --
 -- Placeholders filled in by lonnymq.migrations through psycopg.sql composition:
---   {schema}      the schema, as a quoted identifier
---   {wake}        the NOTIFY channel of this schema, as a string literal
---   {lock_prefix} the prefix of this schema's advisory lock keys, as a string literal
--- Every object is qualified with {schema}; nothing relies on search_path.
+--   {{schema}}      the schema, as a quoted identifier
+--   {{wake}}        the NOTIFY channel of this schema, as a string literal
+--   {{lock_prefix}} the prefix of this schema's advisory lock keys, as a string literal
+-- Every object is qualified with the schema; nothing relies on search_path.
 --
 -- The model (see docs/design.md):
 --   queue    one row per Kombu queue, holding the queue-wide default channel policy.

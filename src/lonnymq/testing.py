@@ -1,4 +1,13 @@
-"""A throwaway PostgreSQL server for the tests, from the server binaries on this machine.
+"""A throwaway PostgreSQL server, for tests and demos, from the server binaries on this machine.
+
+    from lonnymq.testing import TempPostgres
+
+    server = TempPostgres().init().start()
+    try:
+        dsn = server.dsn()
+        ...
+    finally:
+        server.cleanup()
 
 Binaries are looked for in $LONNYMQ_PG_BINDIR, `pg_config --bindir`, /usr/lib/postgresql/*/bin,
 the PATH, then the ones bundled by the `pgserver` pip package (installed with the test extra),
@@ -112,8 +121,19 @@ class TempPostgres:
 
     def init(self) -> TempPostgres:
         self._check(
-            self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres",
-                      "--no-sync", "-E", "UTF8", "--locale=C"),
+            self._run(
+                "initdb",
+                "-D",
+                str(self.data),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ),
             "initdb",
         )
         with open(self.data / "postgresql.conf", "a") as conf:
@@ -123,8 +143,19 @@ class TempPostgres:
 
     def start(self) -> TempPostgres:
         self._check(
-            self._run("pg_ctl", "-D", str(self.data), "-l", str(self.root / "log"), "-w",
-                      "-t", "60", "-o", f"-p {self.port}", "start"),
+            self._run(
+                "pg_ctl",
+                "-D",
+                str(self.data),
+                "-l",
+                str(self.root / "log"),
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                f"-p {self.port}",
+                "start",
+            ),
             "pg_ctl start",
         )
         return self
