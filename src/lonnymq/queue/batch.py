@@ -5,7 +5,8 @@ batches never deadlock each other."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
@@ -116,7 +117,7 @@ class Batch:
         if not items:
             return []
         try:
-            with conn.transaction():
+            with _atomic(conn):
                 cursors = []
                 with conn.pipeline():
                     for item in items:
@@ -138,7 +139,7 @@ class Batch:
         if not items:
             return []
         try:
-            async with conn.transaction():
+            async with _aatomic(conn):
                 cursors = []
                 async with conn.pipeline():
                     for item in items:
@@ -153,6 +154,46 @@ class Batch:
         except psycopg.Error as exc:
             raise translate(exc, self._schema) from exc
         return [item.pending.get() for item in self._items]
+
+
+_SAVEPOINT = b"SAVEPOINT lonnymq_batch"
+_RELEASE = b"RELEASE SAVEPOINT lonnymq_batch"
+_ROLLBACK = b"ROLLBACK TO SAVEPOINT lonnymq_batch"
+
+
+@contextmanager
+def _atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """All or nothing, without committing the caller's transaction: a transaction of its own
+    on an autocommit connection, else a savepoint inside the caller's transaction (psycopg's
+    ``transaction()`` would commit an idle non-autocommit connection's transaction)."""
+    if conn.autocommit:
+        with conn.transaction():
+            yield
+        return
+    conn.execute(_SAVEPOINT)
+    try:
+        yield
+    except BaseException:
+        conn.execute(_ROLLBACK)
+        conn.execute(_RELEASE)
+        raise
+    conn.execute(_RELEASE)
+
+
+@asynccontextmanager
+async def _aatomic(conn: psycopg.AsyncConnection[Any]) -> AsyncIterator[None]:
+    if conn.autocommit:
+        async with conn.transaction():
+            yield
+        return
+    await conn.execute(_SAVEPOINT)
+    try:
+        yield
+    except BaseException:
+        await conn.execute(_ROLLBACK)
+        await conn.execute(_RELEASE)
+        raise
+    await conn.execute(_RELEASE)
 
 
 class BatchQueue:
