@@ -185,3 +185,33 @@ def test_missing_schema_is_a_clear_error(conn: Conn) -> None:
         broker.dequeue(conn, ["q"])
     with pytest.raises(lonnymq.SchemaNotInstalled):
         broker.check(conn)
+
+
+def test_ttl_expiry(broker: lonnymq.Broker, conn: Conn) -> None:
+    q = broker.queue("ttl")
+    q.channel("c").message.create(conn, b"held", ttl_ms=100)
+    held = q.dequeue(conn, limit=1, lock_ms=60_000).messages
+    assert [m.content for m in held] == [b"held"]
+    q.channel("a").message.create(conn, b"short", ttl_ms=100)
+    q.channel("a").message.create(conn, b"long", ttl_ms=60_000)
+    q.channel("b").message.create(conn, b"forever")
+    q.channel("d").message.create(conn, b"delayed", delay_ms=300, ttl_ms=100)
+    time.sleep(0.15)
+    assert broker.expire(conn) == (1, 0)  # "short"; the held one stays with its holder
+    assert sorted(m.content for m in q.dequeue(conn, limit=10).messages) == [b"forever", b"long"]
+    time.sleep(0.3)  # "delayed" is due, and its TTL counts from then
+    assert [m.content for m in q.dequeue(conn, limit=10).messages] == [b"delayed"]
+    assert held[0].delete(conn) is Outcome.OK
+    stats = q.stats(conn)
+    assert stats.total == stats.in_flight == 3
+
+
+def test_delete_many(queue: lonnymq.Queue, conn: Conn) -> None:
+    for i in range(5):
+        queue.channel(f"c{i % 2}").message.create(conn, str(i))
+    held = queue.dequeue(conn, limit=5, lock_ms=60_000).messages
+    stale = (held[0].id, uuid.uuid4())
+    outcomes = queue.broker.delete_many(conn, [*held[1:], stale])
+    assert outcomes == {m.id: Outcome.OK for m in held[1:]} | {held[0].id: Outcome.STATE_INVALID}
+    assert queue.stats(conn).total == 1
+    assert queue.broker.delete_many(conn, []) == {}

@@ -190,7 +190,14 @@ def test_nasty_names_are_just_data(
         )
         .fetchall()
     )
-    assert [t[0] for t in tables] == ["channel", "message", "migration", "queue"]
+    assert [t[0] for t in tables] == [
+        "binding",
+        "channel",
+        "exchange",
+        "message",
+        "migration",
+        "queue",
+    ]
 
 
 def test_delay_arithmetic_across_minutes(queue: lonnymq.Queue, conn: Conn) -> None:

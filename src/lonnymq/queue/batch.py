@@ -238,6 +238,7 @@ class BatchChannel:
         name: str | None = None,
         delay_ms: float = 0,
         priority: int = 0,
+        ttl_ms: float | None = None,
     ) -> Pending[CreateResult]:
         batch = self._queue._batch
         op = create_op(
@@ -248,6 +249,7 @@ class BatchChannel:
             name=name,
             delay_ms=delay_ms,
             priority=priority,
+            ttl_ms=ttl_ms,
             raise_if_dropped=False,
             max_message_bytes=batch._max_message_bytes,
         )

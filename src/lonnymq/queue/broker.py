@@ -32,6 +32,7 @@ from .policy import (
     queue_set_op,
 )
 from .results import CreateResult, Outcome, QueueStats
+from .routing import delete_many_op, expire_op
 
 Conn = psycopg.Connection[Any]
 AConn = psycopg.AsyncConnection[Any]
@@ -119,6 +120,20 @@ class Broker:
         if not pairs:
             return set()
         return run(require_sync(conn), heartbeat_op(self.schema, pairs, lock_ms=lock_ms))
+
+    def delete_many(
+        self, conn: Conn, held: Iterable[Message | tuple[int, uuid.UUID]]
+    ) -> dict[int, Outcome]:
+        """Delete (ack) many held messages in one call; an outcome per id."""
+        pairs = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in held]
+        if not pairs:
+            return {}
+        return run(require_sync(conn), delete_many_op(self.schema, pairs))
+
+    def expire(self, conn: Conn, *, limit: int = 10_000) -> tuple[int, int]:
+        """Delete messages past their TTL (not held by a consumer; at most ``limit``) and
+        queues unused for longer than their ``x-expires``. Returns (messages, queues)."""
+        return run(require_sync(conn), expire_op(self.schema, limit))
 
     def batch(self) -> Batch:
         """A batch of creates and policy changes across queues: ``batch.queue(q).channel(c)``."""
@@ -253,6 +268,7 @@ class ChannelMessages:
         name: str | None = ...,
         delay_ms: float = ...,
         priority: int = ...,
+        ttl_ms: float | None = ...,
         raise_if_dropped: bool = ...,
     ) -> CreateResult: ...
     @overload
@@ -264,6 +280,7 @@ class ChannelMessages:
         name: str | None = ...,
         delay_ms: float = ...,
         priority: int = ...,
+        ttl_ms: float | None = ...,
         raise_if_dropped: bool = ...,
     ) -> Awaitable[CreateResult]: ...
     def create(
@@ -274,6 +291,7 @@ class ChannelMessages:
         name: str | None = None,
         delay_ms: float = 0,
         priority: int = 0,
+        ttl_ms: float | None = None,
         raise_if_dropped: bool = True,
     ) -> CreateResult | Awaitable[CreateResult]:
         """Create a message in the caller's transaction.
@@ -281,8 +299,9 @@ class ChannelMessages:
         ``name`` de-duplicates: while a never-dequeued message of that name is in the channel,
         nothing is created and the result is ``Deduplicated(existing_id)``. ``delay_ms`` keeps
         it invisible until due; ``priority`` (0-255, higher first) orders it within the
-        channel. A full channel raises :class:`~lonnymq.ChannelFull`, or gives
-        ``Dropped`` when ``raise_if_dropped=False``.
+        channel. ``ttl_ms`` drops it if it is not dequeued within that time after it is due
+        (expired messages are removed by :meth:`Broker.expire`). A full channel raises
+        :class:`~lonnymq.ChannelFull`, or gives ``Dropped`` when ``raise_if_dropped=False``.
         """
         ch = self._channel
         broker = ch.queue.broker
@@ -294,6 +313,7 @@ class ChannelMessages:
             name=name,
             delay_ms=delay_ms,
             priority=priority,
+            ttl_ms=ttl_ms,
             raise_if_dropped=raise_if_dropped,
             max_message_bytes=broker.max_message_bytes,
         )

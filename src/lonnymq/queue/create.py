@@ -11,7 +11,7 @@ from .results import Created, CreateResult, Deduplicated, Dropped
 
 _CREATE: LiteralString = (
     "SELECT result_code, message_id FROM {schema}.message_create_v1("
-    "%s::text, %s::text, %s::text, %s::bytea, %s::integer, %s::bigint)"
+    "%s::text, %s::text, %s::text, %s::bytea, %s::integer, %s::bigint, %s::bigint)"
 )
 
 
@@ -24,6 +24,7 @@ def create_op(
     name: str | None = None,
     delay_ms: float = 0,
     priority: int = 0,
+    ttl_ms: float | None = None,
     raise_if_dropped: bool = True,
     max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
 ) -> Op[CreateResult]:
@@ -33,6 +34,11 @@ def create_op(
     name = _checks.optional_name(name, "message")
     delay = _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS)
     prio = _checks.integer(priority, "priority", low=0, high=_checks.MAX_PRIORITY)
+    ttl = (
+        None
+        if ttl_ms is None
+        else _checks.milliseconds(ttl_ms, "ttl_ms", low=0, high=_checks.MAX_DELAY_MS)
+    )
 
     def parse(rows: Rows) -> CreateResult:
         code, message_id = rows[0]
@@ -44,4 +50,5 @@ def create_op(
             raise ChannelFull(queue, channel)
         return Dropped(queue, channel)
 
-    return Op(schema, render(_CREATE, schema), (queue, channel, name, data, prio, delay), parse)
+    params = (queue, channel, name, data, prio, delay, ttl)
+    return Op(schema, render(_CREATE, schema), params, parse)

@@ -27,9 +27,36 @@ CREATE TABLE {schema}.queue (
     id integer GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     max_concurrency integer CHECK (max_concurrency >= 0),
     max_size integer CHECK (max_size >= 0),
+    -- Kombu queue arguments: x-expires (delete the queue when unused that long) and
+    -- x-message-ttl (drop messages not delivered within it)
+    expires_ms bigint CHECK (expires_ms > 0),
+    message_ttl_ms bigint CHECK (message_ttl_ms >= 0),
+    used_at timestamptz NOT NULL DEFAULT now(),
     created_at timestamptz NOT NULL DEFAULT now(),
     name text NOT NULL UNIQUE CHECK (length(name) BETWEEN 1 AND 255)
 );
+
+CREATE INDEX queue_expiring_idx ON {schema}.queue (used_at) WHERE expires_ms IS NOT NULL;
+
+CREATE TABLE {schema}.exchange (
+    name text PRIMARY KEY CHECK (length(name) BETWEEN 1 AND 255),
+    type text NOT NULL CHECK (type IN ('direct', 'topic', 'fanout')),
+    durable boolean NOT NULL DEFAULT true,
+    auto_delete boolean NOT NULL DEFAULT false,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE {schema}.binding (
+    exchange text NOT NULL,
+    routing_key text NOT NULL,
+    queue text NOT NULL CHECK (length(queue) BETWEEN 1 AND 255),
+    -- topic exchanges: the routing key as a regular expression (kombu's translation)
+    pattern text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (exchange, routing_key, queue)
+);
+
+CREATE INDEX binding_queue_idx ON {schema}.binding (queue);
 
 CREATE TABLE {schema}.channel (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -60,6 +87,7 @@ CREATE TABLE {schema}.message (
     dequeue_at timestamptz NOT NULL,
     locked_until timestamptz,
     lock_token uuid,
+    expires_at timestamptz,
     created_at timestamptz NOT NULL DEFAULT now(),
     name text CHECK (length(name) BETWEEN 1 AND 255),
     content bytea NOT NULL,
@@ -75,6 +103,8 @@ CREATE INDEX message_locked_idx ON {schema}.message (queue_id, locked_until)
 -- De-duplication: one never-dequeued message per (channel, name).
 CREATE UNIQUE INDEX message_name_idx ON {schema}.message (channel_id, name)
     WHERE name IS NOT NULL AND attempts = 0;
+-- Messages with a time to live, soonest expiry first.
+CREATE INDEX message_expires_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
 
 
 -- The id of a queue, created on first use.
@@ -214,7 +244,8 @@ $$;
 
 
 -- Create a message. result_code: 'created', 'deduplicated' (message_id is the existing one)
--- or 'dropped' (the channel is at max_size).
+-- or 'dropped' (the channel is at max_size). p_ttl_ms (NULL: none): the message is dropped
+-- if not dequeued within that time after it is due.
 CREATE FUNCTION {schema}.message_create_v1(
     p_queue text,
     p_channel text,
@@ -222,6 +253,7 @@ CREATE FUNCTION {schema}.message_create_v1(
     p_content bytea,
     p_priority integer,
     p_delay_ms bigint,
+    p_ttl_ms bigint,
     OUT result_code text,
     OUT message_id bigint
 )
@@ -252,8 +284,9 @@ BEGIN
         RETURN;
     END IF;
     v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';
-    INSERT INTO {schema}.message (channel_id, queue_id, priority, dequeue_at, name, content)
-    VALUES (v_old.id, v_queue_id, p_priority, v_at, p_name, p_content)
+    INSERT INTO {schema}.message (channel_id, queue_id, priority, dequeue_at, expires_at, name, content)
+    VALUES (v_old.id, v_queue_id, p_priority, v_at, v_at + p_ttl_ms * interval '1 millisecond',
+            p_name, p_content)
     RETURNING id INTO message_id;
     v_new.current_size := v_old.current_size + 1;
     IF v_new.max_concurrency IS NULL OR v_new.current_concurrency < v_new.max_concurrency THEN
@@ -723,6 +756,7 @@ DECLARE
     v_channel_id bigint;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || p_queue, 0));
+    DELETE FROM {schema}.binding WHERE queue = p_queue;
     SELECT q.id INTO v_queue_id FROM {schema}.queue q WHERE q.name = p_queue FOR UPDATE;
     IF v_queue_id IS NULL THEN
         RETURN 0;
@@ -774,5 +808,222 @@ BEGIN
                v_queue.max_concurrency,
                v_queue.max_size
         FROM {schema}.channel c WHERE c.queue_id = v_queue.id;
+END;
+$$;
+
+
+-- ---------------------------------------------------------------------------------------------
+-- Kombu: exchanges and bindings persisted in Postgres, so that every process routes alike;
+-- queue arguments (x-expires, x-message-ttl) so that abandoned queues and stale broadcasts go.
+-- ---------------------------------------------------------------------------------------------
+
+-- Declare an exchange. Raises (SQLSTATE LM001) when it exists with another type.
+CREATE FUNCTION {schema}.exchange_declare_v1(
+    p_exchange text, p_type text, p_durable boolean, p_auto_delete boolean
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_type text;
+BEGIN
+    INSERT INTO {schema}.exchange (name, type, durable, auto_delete)
+    VALUES (p_exchange, p_type, p_durable, p_auto_delete)
+    ON CONFLICT (name) DO NOTHING;
+    SELECT e.type INTO v_type FROM {schema}.exchange e WHERE e.name = p_exchange;
+    IF v_type <> p_type THEN
+        RAISE EXCEPTION USING ERRCODE = 'LM001',
+            MESSAGE = format('exchange %L exists with type %L, not %L', p_exchange, v_type, p_type);
+    END IF;
+END;
+$$;
+
+
+-- Delete an exchange and its bindings.
+CREATE FUNCTION {schema}.exchange_delete_v1(p_exchange text) RETURNS void
+LANGUAGE sql AS $$
+    DELETE FROM {schema}.binding WHERE exchange = p_exchange;
+    DELETE FROM {schema}.exchange WHERE name = p_exchange;
+$$;
+
+
+-- Declare a queue with its arguments; returns (messages waiting, messages in flight).
+CREATE FUNCTION {schema}.queue_declare_v1(
+    p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint,
+    OUT waiting bigint, OUT in_flight bigint
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+BEGIN
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        expires_ms = p_expires_ms,
+        message_ttl_ms = p_message_ttl_ms,
+        used_at = clock_timestamp()
+    WHERE q.id = v_queue_id
+      AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+           OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
+    SELECT coalesce(sum(c.current_size - c.current_concurrency), 0),
+           coalesce(sum(c.current_concurrency), 0)
+    INTO waiting, in_flight
+    FROM {schema}.channel c WHERE c.queue_id = v_queue_id;
+END;
+$$;
+
+
+-- Bind a queue to an exchange (idempotent).
+CREATE FUNCTION {schema}.queue_bind_v1(
+    p_exchange text, p_routing_key text, p_queue text, p_pattern text
+) RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO {schema}.binding (exchange, routing_key, queue, pattern)
+    VALUES (p_exchange, p_routing_key, p_queue, p_pattern)
+    ON CONFLICT (exchange, routing_key, queue) DO NOTHING;
+$$;
+
+
+CREATE FUNCTION {schema}.queue_unbind_v1(p_exchange text, p_routing_key text, p_queue text)
+RETURNS void
+LANGUAGE sql AS $$
+    DELETE FROM {schema}.binding
+    WHERE exchange = p_exchange AND routing_key = p_routing_key AND queue = p_queue;
+$$;
+
+
+-- The queues a message published to (exchange, routing key) goes to, sorted (so that a
+-- publish to several queues locks them in a consistent order). The anonymous exchange ''
+-- routes to the queue named by the routing key.
+CREATE FUNCTION {schema}.route_v1(p_exchange text, p_routing_key text) RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_type text;
+    v_queues text[];
+BEGIN
+    IF p_exchange = '' THEN
+        RETURN ARRAY[p_routing_key];
+    END IF;
+    SELECT e.type INTO v_type FROM {schema}.exchange e WHERE e.name = p_exchange;
+    IF v_type = 'fanout' THEN
+        SELECT array_agg(DISTINCT b.queue ORDER BY b.queue) INTO v_queues
+        FROM {schema}.binding b WHERE b.exchange = p_exchange;
+    ELSIF v_type = 'topic' THEN
+        SELECT array_agg(DISTINCT b.queue ORDER BY b.queue) INTO v_queues
+        FROM {schema}.binding b WHERE b.exchange = p_exchange AND p_routing_key ~ b.pattern;
+    ELSE
+        SELECT array_agg(DISTINCT b.queue ORDER BY b.queue) INTO v_queues
+        FROM {schema}.binding b WHERE b.exchange = p_exchange AND b.routing_key = p_routing_key;
+    END IF;
+    RETURN coalesce(v_queues, ARRAY[]::text[]);
+END;
+$$;
+
+
+-- Publish: route, then create the message in every queue it goes to. The tenant channel is
+-- p_channel, else the routing key, else the queue name. One row per queue reached (none when
+-- the message is unroutable, as on RabbitMQ).
+CREATE FUNCTION {schema}.message_publish_v1(
+    p_exchange text,
+    p_routing_key text,
+    p_channel text,
+    p_name text,
+    p_content bytea,
+    p_priority integer,
+    p_delay_ms bigint,
+    p_ttl_ms bigint
+)
+RETURNS TABLE (queue_name text, result_code text, message_id bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue text;
+    v_ttl bigint;
+BEGIN
+    FOREACH v_queue IN ARRAY {schema}.route_v1(p_exchange, p_routing_key) LOOP
+        SELECT LEAST(p_ttl_ms, q.message_ttl_ms) INTO v_ttl
+        FROM {schema}.queue q WHERE q.name = v_queue;
+        queue_name := v_queue;
+        SELECT c.result_code, c.message_id INTO result_code, message_id
+        FROM {schema}.message_create_v1(
+            v_queue,
+            coalesce(nullif(p_channel, ''), nullif(p_routing_key, ''), v_queue),
+            p_name, p_content, p_priority, p_delay_ms, coalesce(v_ttl, p_ttl_ms)
+        ) AS c;
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+
+-- Delete (ack) many held messages, in id order. One outcome per id, as message_delete_v1.
+CREATE FUNCTION {schema}.message_delete_many_v1(p_ids bigint[], p_lock_tokens uuid[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT h.id, h.lock_token FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
+        ORDER BY h.id
+    LOOP
+        message_id := r.id;
+        result_code := {schema}.message_delete_v1(r.id, r.lock_token);
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+
+-- Mark queues with an x-expires as used now (consumers call this periodically).
+CREATE FUNCTION {schema}.queue_touch_v1(p_queues text[]) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE {schema}.queue SET used_at = clock_timestamp()
+    WHERE name = ANY (p_queues) AND expires_ms IS NOT NULL
+      AND used_at < clock_timestamp() - interval '1 second';
+$$;
+
+
+-- Delete expired messages (not held by a consumer) and queues unused for longer than their
+-- x-expires, at most p_limit messages a call. Returns (messages, queues) deleted.
+CREATE FUNCTION {schema}.expire_v1(p_limit integer, OUT messages bigint, OUT queues bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+    v_n bigint;
+    v_queue text;
+BEGIN
+    messages := 0;
+    queues := 0;
+    -- channels first, then their messages: the lock order of dequeue
+    FOR v_old IN
+        SELECT c.* FROM {schema}.channel c
+        WHERE c.id IN (
+            SELECT DISTINCT m.channel_id FROM (
+                SELECT m.channel_id FROM {schema}.message m
+                WHERE m.expires_at <= v_now
+                ORDER BY m.expires_at LIMIT p_limit
+            ) AS m
+        )
+        ORDER BY c.id
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        DELETE FROM {schema}.message m
+        WHERE m.channel_id = v_old.id AND m.expires_at <= v_now AND m.locked_until IS NULL;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        CONTINUE WHEN v_n = 0;
+        messages := messages + v_n;
+        v_new := v_old;
+        v_new.current_size := v_old.current_size - v_n;
+        PERFORM {schema}.channel_store_v1(v_old, v_new, true);
+    END LOOP;
+    FOR v_queue IN
+        SELECT q.name FROM {schema}.queue q
+        WHERE q.expires_ms IS NOT NULL
+          AND q.used_at < v_now - q.expires_ms * interval '1 millisecond'
+        ORDER BY q.name
+    LOOP
+        PERFORM {schema}.queue_delete_v1(v_queue);
+        queues := queues + 1;
+    END LOOP;
 END;
 $$;

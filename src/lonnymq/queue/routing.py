@@ -1,0 +1,212 @@
+"""Exchanges, bindings, publish-with-routing and queue housekeeping: the operations the Kombu
+transport maps its hooks onto. Routing happens inside Postgres, so a publish to any exchange
+is one round trip and every process sees the same bindings."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import LiteralString
+
+from ..exceptions import InvalidArgument, InvalidName
+from . import _checks
+from ._ops import Op, Rows, render
+from .results import Outcome
+
+_PUBLISH: LiteralString = (
+    "SELECT queue_name, result_code, message_id FROM {schema}.message_publish_v1("
+    "%s::text, %s::text, %s::text, %s::text, %s::bytea, %s::integer, %s::bigint, %s::bigint)"
+)
+_EXCHANGE_DECLARE: LiteralString = (
+    "SELECT {schema}.exchange_declare_v1(%s::text, %s::text, %s::boolean, %s::boolean)"
+)
+_EXCHANGE_DELETE: LiteralString = "SELECT {schema}.exchange_delete_v1(%s::text)"
+_EXCHANGE_GET: LiteralString = "SELECT type FROM {schema}.exchange WHERE name = %s"
+_QUEUE_DECLARE: LiteralString = (
+    "SELECT waiting, in_flight FROM {schema}.queue_declare_v1(%s::text, %s::bigint, %s::bigint)"
+)
+_QUEUE_EXISTS: LiteralString = (
+    "SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %s) "
+    "OR EXISTS (SELECT 1 FROM {schema}.binding WHERE queue = %s)"
+)
+_BIND: LiteralString = "SELECT {schema}.queue_bind_v1(%s::text, %s::text, %s::text, %s::text)"
+_UNBIND: LiteralString = "SELECT {schema}.queue_unbind_v1(%s::text, %s::text, %s::text)"
+_BINDINGS: LiteralString = (
+    "SELECT b.exchange, b.routing_key, b.queue, b.pattern FROM {schema}.binding b "
+    "WHERE b.exchange = %s ORDER BY b.routing_key, b.queue"
+)
+_ALL_BINDINGS: LiteralString = (
+    "SELECT b.queue, b.exchange, b.routing_key FROM {schema}.binding b "
+    "ORDER BY b.exchange, b.routing_key, b.queue"
+)
+_DELETE_MANY: LiteralString = (
+    "SELECT message_id, result_code FROM {schema}.message_delete_many_v1(%s::bigint[], %s::uuid[])"
+)
+_TOUCH: LiteralString = "SELECT {schema}.queue_touch_v1(%s::text[])"
+_EXPIRE: LiteralString = "SELECT messages, queues FROM {schema}.expire_v1(%s::integer)"
+
+EXCHANGE_TYPES = ("direct", "topic", "fanout")
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """Where a publish went: one (queue, result) per queue reached; empty when unroutable."""
+
+    results: list[tuple[str, str, int | None]]
+
+    @property
+    def queues(self) -> list[str]:
+        return [queue for queue, _, _ in self.results]
+
+    @property
+    def dropped(self) -> list[str]:
+        """Queues whose channel was full (nothing was written there)."""
+        return [queue for queue, code, _ in self.results if code == "dropped"]
+
+
+def _none(rows: Rows) -> None:
+    return None
+
+
+def publish_op(
+    schema: str,
+    exchange: str,
+    routing_key: str,
+    content: object,
+    *,
+    channel: str | None = None,
+    name: str | None = None,
+    delay_ms: float = 0,
+    priority: int = 0,
+    ttl_ms: float | None = None,
+    max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
+) -> Op[Routed]:
+    if not isinstance(exchange, str) or len(exchange) > _checks.MAX_NAME_LENGTH:
+        raise InvalidName(f"invalid exchange name {exchange!r}")
+    if not isinstance(routing_key, str) or len(routing_key) > _checks.MAX_NAME_LENGTH:
+        raise InvalidName(f"invalid routing key {routing_key!r}")
+    if not exchange:
+        _checks.name(routing_key, "queue")
+    if "\x00" in exchange or "\x00" in routing_key:
+        raise InvalidName("exchange and routing key must not contain NUL characters")
+    params = (
+        exchange,
+        routing_key,
+        None if channel is None else _checks.name(channel, "channel"),
+        _checks.optional_name(name, "message"),
+        _checks.content(content, max_message_bytes),
+        _checks.integer(priority, "priority", low=0, high=_checks.MAX_PRIORITY),
+        _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS),
+        None
+        if ttl_ms is None
+        else _checks.milliseconds(ttl_ms, "ttl_ms", low=0, high=_checks.MAX_DELAY_MS),
+    )
+
+    def parse(rows: Rows) -> Routed:
+        return Routed([(r[0], r[1], r[2]) for r in rows])
+
+    return Op(schema, render(_PUBLISH, schema), params, parse)
+
+
+def exchange_declare_op(
+    schema: str, exchange: str, type: str, *, durable: bool = True, auto_delete: bool = False
+) -> Op[None]:
+    if type not in EXCHANGE_TYPES:
+        raise InvalidArgument(
+            f"exchange type {type!r} is not supported (use one of {', '.join(EXCHANGE_TYPES)})"
+        )
+    params = (_checks.name(exchange, "exchange"), type, bool(durable), bool(auto_delete))
+    return Op(schema, render(_EXCHANGE_DECLARE, schema), params, _none)
+
+
+def exchange_delete_op(schema: str, exchange: str) -> Op[None]:
+    return Op(
+        schema, render(_EXCHANGE_DELETE, schema), (_checks.name(exchange, "exchange"),), _none
+    )
+
+
+def exchange_type_op(schema: str, exchange: str) -> Op[str | None]:
+    def parse(rows: Rows) -> str | None:
+        return str(rows[0][0]) if rows else None
+
+    return Op(schema, render(_EXCHANGE_GET, schema), (exchange,), parse)
+
+
+def queue_declare_op(
+    schema: str,
+    queue: str,
+    *,
+    expires_ms: int | None = None,
+    message_ttl_ms: int | None = None,
+) -> Op[tuple[int, int]]:
+    params = (
+        _checks.name(queue, "queue"),
+        None if expires_ms is None else _checks.integer(expires_ms, "x-expires", low=1, high=2**62),
+        None
+        if message_ttl_ms is None
+        else _checks.integer(message_ttl_ms, "x-message-ttl", low=0, high=2**62),
+    )
+
+    def parse(rows: Rows) -> tuple[int, int]:
+        return int(rows[0][0]), int(rows[0][1])
+
+    return Op(schema, render(_QUEUE_DECLARE, schema), params, parse)
+
+
+def queue_exists_op(schema: str, queue: str) -> Op[bool]:
+    def parse(rows: Rows) -> bool:
+        return bool(rows[0][0])
+
+    return Op(schema, render(_QUEUE_EXISTS, schema), (queue, queue), parse)
+
+
+def bind_op(
+    schema: str, exchange: str, routing_key: str, queue: str, pattern: str | None
+) -> Op[None]:
+    params = (
+        _checks.name(exchange, "exchange"),
+        routing_key,
+        _checks.name(queue, "queue"),
+        pattern,
+    )
+    return Op(schema, render(_BIND, schema), params, _none)
+
+
+def unbind_op(schema: str, exchange: str, routing_key: str, queue: str) -> Op[None]:
+    return Op(schema, render(_UNBIND, schema), (exchange, routing_key, queue), _none)
+
+
+def bindings_op(schema: str, exchange: str) -> Op[list[tuple[str, str, str, str | None]]]:
+    def parse(rows: Rows) -> list[tuple[str, str, str, str | None]]:
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+    return Op(schema, render(_BINDINGS, schema), (exchange,), parse)
+
+
+def all_bindings_op(schema: str) -> Op[list[tuple[str, str, str]]]:
+    def parse(rows: Rows) -> list[tuple[str, str, str]]:
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    return Op(schema, render(_ALL_BINDINGS, schema), (), parse)
+
+
+def delete_many_op(schema: str, held: Sequence[tuple[int, uuid.UUID]]) -> Op[dict[int, Outcome]]:
+    ids = [h[0] for h in held]
+    tokens = [h[1] for h in held]
+
+    def parse(rows: Rows) -> dict[int, Outcome]:
+        return {r[0]: Outcome(r[1]) for r in rows}
+
+    return Op(schema, render(_DELETE_MANY, schema), (ids, tokens), parse)
+
+
+def touch_op(schema: str, queues: Sequence[str]) -> Op[None]:
+    return Op(schema, render(_TOUCH, schema), (list(queues),), _none)
+
+
+def expire_op(schema: str, limit: int = 10_000) -> Op[tuple[int, int]]:
+    def parse(rows: Rows) -> tuple[int, int]:
+        return int(rows[0][0]), int(rows[0][1])
+
+    return Op(schema, render(_EXPIRE, schema), (limit,), parse)
