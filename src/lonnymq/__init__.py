@@ -56,6 +56,19 @@ from .queue import (
 
 __version__ = "0.1.0"
 
+#: The class path of the Kombu transport, for ``transport=`` or Celery's ``broker_transport``.
+TRANSPORT = "lonnymq.transport:Transport"
+
+
+def _register_transport() -> None:
+    """Make ``lonnymq://`` URLs work in kombu and Celery (kombu has no entry point for this)."""
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES.setdefault("lonnymq", TRANSPORT)
+
+
+_register_transport()
+
 
 def install(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
     """Install or upgrade the lonnymq schema; returns the migrations applied. Safe under
@@ -65,6 +78,7 @@ def install(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
 
 __all__ = [
     "CURRENT_VERSION",
+    "TRANSPORT",
     "DEFAULT_SCHEMA",
     "KEEP",
     "Batch",

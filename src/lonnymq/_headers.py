@@ -1,0 +1,72 @@
+"""How a kombu message's headers and properties map onto a lonnymq create: tenant channel,
+de-duplication name, delay, priority, time to live."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from .exceptions import InvalidArgument
+
+
+def int_arg(arguments: dict[str, Any], key: str) -> int | None:
+    value = arguments.get(key)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"queue argument {key} must be an integer, not {value!r}") from None
+
+
+def str_or_none(value: Any, what: str) -> str | None:
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, str) else str(value)
+
+
+def priority(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        raise InvalidArgument(f"message priority must be an int from 0 to 255, not {value!r}")
+    return value
+
+
+def expiration_ms(value: Any) -> float | None:
+    if value is None or value == "":
+        return None
+    try:
+        ms = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"message expiration must be milliseconds, not {value!r}") from None
+    return max(0.0, ms)
+
+
+def delay_ms(headers: dict[str, Any]) -> float:
+    """Delay from Celery's ``eta`` header (ISO 8601; naive means UTC) or ``x-delay-ms``."""
+    if headers.get("x-delay-ms") is not None:
+        try:
+            delay = float(headers["x-delay-ms"])
+        except (TypeError, ValueError):
+            raise InvalidArgument(
+                f"x-delay-ms must be a number of milliseconds, not {headers['x-delay-ms']!r}"
+            ) from None
+        if delay < 0:
+            raise InvalidArgument(f"x-delay-ms must not be negative, not {delay}")
+        return delay
+    eta = headers.get("eta")
+    if not eta:
+        return 0.0
+    if isinstance(eta, str):
+        try:
+            when = datetime.fromisoformat(eta)
+        except ValueError:
+            raise InvalidArgument(f"eta header is not an ISO 8601 datetime: {eta!r}") from None
+    elif isinstance(eta, datetime):
+        when = eta
+    else:
+        raise InvalidArgument(f"eta header is not a datetime: {eta!r}")
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds() * 1000)

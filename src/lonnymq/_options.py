@@ -1,0 +1,112 @@
+"""Transport options: names, defaults, validation. Documented in the transport's docstring
+and docs/transport.md; an unknown option is an error, not a silent no-op."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from . import migrator
+from .exceptions import ConfigurationError
+from .queue._checks import DEFAULT_MAX_MESSAGE_BYTES
+
+# Options kombu itself (or other transports' users) pass that we accept and leave to kombu.
+KOMBU_OPTIONS = frozenset(
+    {
+        "body_encoding",
+        "deadletter_queue",
+        "max_retries",
+        "interval_start",
+        "interval_step",
+        "interval_max",
+        "client_properties",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    #: Postgres schema holding the queue.
+    schema: str = migrator.DEFAULT_SCHEMA
+    #: Seconds a delivered, unacked message stays locked before another consumer may get it.
+    #: A live consumer extends the locks it holds (see heartbeat_interval), so this is the time
+    #: it takes to redeliver the messages of a consumer that died.
+    visibility_timeout: float = 3600.0
+    #: Seconds between lock extensions by a live consumer (default: visibility_timeout / 4,
+    #: at most 60).
+    heartbeat_interval: float | None = None
+    #: Fallback poll, seconds: an idle consumer looks again at least this often even without a
+    #: NOTIFY. With use_listen off, this is the pickup latency.
+    polling_interval: float = 5.0
+    #: Wait on LISTEN/NOTIFY (one extra connection per consuming process). Turn off behind
+    #: PgBouncer in transaction mode.
+    use_listen: bool = True
+    #: Most messages fetched in one dequeue (when the prefetch window allows more).
+    batch_size: int = 100
+    #: Install or upgrade the schema on first use (advisory-locked, safe under concurrency).
+    auto_install: bool = True
+    #: Largest message (serialized payload) accepted, bytes.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    #: Seconds between expiry sweeps (message TTLs, x-expires queues) by consumers.
+    expire_interval: float = 10.0
+    #: Seconds to wait for a connection to Postgres.
+    connect_timeout: float | None = None
+
+    @property
+    def lock_ms(self) -> int:
+        return max(1, int(self.visibility_timeout * 1000))
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        if self.heartbeat_interval is not None:
+            return self.heartbeat_interval
+        return max(0.05, min(self.visibility_timeout / 4, 60.0))
+
+    @classmethod
+    def from_mapping(cls, options: dict[str, Any], connect_timeout: float | None) -> Options:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known - KOMBU_OPTIONS)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown lonnymq transport option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options: {', '.join(sorted(known))}"
+            )
+        values = {k: v for k, v in options.items() if k in known}
+        if connect_timeout and "connect_timeout" not in values:
+            values["connect_timeout"] = connect_timeout
+        opts = cls(**values)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        migrator.validate_schema(self.schema)
+        _seconds("visibility_timeout", self.visibility_timeout, low=0.001)
+        _seconds("polling_interval", self.polling_interval, low=0.001)
+        _seconds("expire_interval", self.expire_interval, low=0.001)
+        if self.heartbeat_interval is not None:
+            _seconds("heartbeat_interval", self.heartbeat_interval, low=0.001)
+            if self.heartbeat_interval >= self.visibility_timeout:
+                raise ConfigurationError(
+                    "heartbeat_interval must be shorter than visibility_timeout, or locks "
+                    "expire between two heartbeats"
+                )
+        if self.connect_timeout is not None:
+            _seconds("connect_timeout", self.connect_timeout, low=0)
+        for name in ("use_listen", "auto_install"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(f"transport option {name} must be True or False")
+        _integer("batch_size", self.batch_size, 1, 10_000)
+        _integer("max_message_bytes", self.max_message_bytes, 1, 1024**3)
+
+
+def _seconds(name: str, value: object, *, low: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigurationError(f"transport option {name} must be a number of seconds")
+    if not math.isfinite(value) or value < low or value > 10 * 365 * 86400:
+        raise ConfigurationError(f"transport option {name} is out of range: {value!r}")
+
+
+def _integer(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ConfigurationError(f"transport option {name} must be an int in [{low}, {high}]")

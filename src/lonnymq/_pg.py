@@ -1,0 +1,208 @@
+"""The Postgres connections of a transport, per process.
+
+- :class:`PgClient`: the command connection (publish, dequeue, ack, heartbeat), shared by the
+  threads of one process under a lock (acks arrive from pool threads), reconnected on demand.
+- :class:`Waiter`: the LISTEN connection an idle consumer blocks on, apart from the command
+  connection so acks never wait behind it.
+
+Both are fork-safe: a child process never touches (nor closes) a connection its parent opened;
+it opens its own on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql
+
+from . import migrator
+from ._url import mask_password
+from .exceptions import ConnectionLost, SchemaNotInstalled
+from .queue._ops import Op, run, translate
+
+logger = logging.getLogger("lonnymq.transport")
+T = TypeVar("T")
+
+# Connections inherited across fork: kept referenced forever in the child so that their
+# finalizers never send a Terminate message down the parent's socket.
+_INHERITED: list[Any] = []
+_LIVE: weakref.WeakSet[_Forkable] = weakref.WeakSet()
+_INSTALLED: set[tuple[str, str]] = set()
+_INSTALL_LOCK = threading.Lock()
+
+
+class _Forkable:
+    _conn: psycopg.Connection[Any] | None
+    _lock: threading.RLock
+
+    def _after_fork(self) -> None:
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
+            self._conn = None
+        self._lock = threading.RLock()
+
+
+def _after_fork_in_child() -> None:
+    for item in list(_LIVE):
+        item._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _open(conninfo: str, connect_timeout: float | None, role: str) -> psycopg.Connection[Any]:
+    kwargs: dict[str, Any] = {"autocommit": True, "application_name": f"lonnymq-{role}"}
+    if connect_timeout:
+        kwargs["connect_timeout"] = max(1, int(connect_timeout))
+    try:
+        return psycopg.connect(conninfo, **kwargs)
+    except psycopg.Error as exc:
+        raise ConnectionLost(
+            f"cannot connect to Postgres: {mask_password(str(exc)).strip()}"
+        ) from None
+
+
+class PgClient(_Forkable):
+    """The command connection of one transport in one process."""
+
+    def __init__(
+        self,
+        conninfo: str,
+        *,
+        schema: str,
+        connect_timeout: float | None = None,
+        auto_install: bool = True,
+        session_settings: dict[str, str] | None = None,
+    ) -> None:
+        self.conninfo = conninfo
+        self.schema = schema
+        self.connect_timeout = connect_timeout
+        self.auto_install = auto_install
+        self.session_settings = session_settings or {}
+        self._conn = None
+        self._lock = threading.RLock()
+        _LIVE.add(self)
+
+    def connection(self) -> psycopg.Connection[Any]:
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed or conn.broken:
+                conn = _open(self.conninfo, self.connect_timeout, "command")
+                try:
+                    for name, value in self.session_settings.items():
+                        conn.execute("SELECT set_config(%s, %s, false)", (name, value))
+                    self._ensure_schema(conn)
+                except BaseException:
+                    conn.close()
+                    raise
+                self._conn = conn
+            return conn
+
+    def _ensure_schema(self, conn: psycopg.Connection[Any]) -> None:
+        key = (self.conninfo, self.schema)
+        if key in _INSTALLED:
+            return
+        with _INSTALL_LOCK:
+            try:
+                migrator.check(conn, self.schema)
+            except SchemaNotInstalled:
+                if not self.auto_install:
+                    raise
+                applied = migrator.install(conn, self.schema)
+                if applied:
+                    logger.info("lonnymq: installed schema %r (%s)", self.schema, applied)
+            except psycopg.OperationalError as exc:
+                raise translate(exc, self.schema) from exc
+            _INSTALLED.add(key)
+
+    def run(self, op: Op[T]) -> T:
+        """Run one operation, reconnecting first if the connection was lost."""
+        with self._lock:
+            conn = self.connection()
+            try:
+                return run(conn, op)
+            except ConnectionLost:
+                self.discard()
+                raise
+
+    def discard(self) -> None:
+        """Forget the connection (after an error); the next call reconnects."""
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # the connection is already unusable
+                conn.close()
+
+    close = discard
+
+
+class Waiter(_Forkable):
+    """LISTEN for wake-ups on a connection of its own."""
+
+    def __init__(self, conninfo: str, channel: str, connect_timeout: float | None = None) -> None:
+        self.conninfo = conninfo
+        self.channel = channel
+        self.connect_timeout = connect_timeout
+        self._conn = None
+        self._lock = threading.RLock()
+        self._failed_at = 0.0
+        _LIVE.add(self)
+
+    def _connection(self) -> psycopg.Connection[Any] | None:
+        if self._conn is not None and not self._conn.closed and not self._conn.broken:
+            return self._conn
+        if time.monotonic() - self._failed_at < 1.0:
+            return None  # do not hammer a server that just refused us
+        try:
+            conn = _open(self.conninfo, self.connect_timeout, "listen")
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+        except (ConnectionLost, psycopg.Error) as exc:
+            self._failed_at = time.monotonic()
+            logger.warning("lonnymq: LISTEN unavailable, polling instead: %s", exc)
+            return None
+        self._conn = conn
+        return conn
+
+    def wait(self, timeout: float, queues: Collection[str] | None = None) -> bool:
+        """Block until a wake-up for one of ``queues`` (any queue if None) or ``timeout``
+        seconds. Returns True when woken by a notification."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._lock:
+            conn = self._connection()
+            if conn is None:
+                time.sleep(max(0.0, min(timeout, 1.0)))
+                return False
+            try:
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    for note in conn.notifies(timeout=left, stop_after=1):
+                        if queues is None or note.payload in queues:
+                            self._drain(conn)
+                            return True
+            except psycopg.Error as exc:
+                logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
+                self.close()
+                return False
+
+    @staticmethod
+    def _drain(conn: psycopg.Connection[Any]) -> None:
+        """Swallow notifications already received: one dequeue serves them all."""
+        for _ in conn.notifies(timeout=0):
+            pass
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()

@@ -1,0 +1,559 @@
+"""Kombu transport for lonnymq: a message queue in PostgreSQL.
+
+URL: ``lonnymq://USER:PASSWORD@HOST:PORT/DBNAME[?LIBPQ_PARAMETERS]`` after ``import lonnymq``
+(which registers the alias), or ``transport="lonnymq.transport:Transport"`` /
+Celery's ``broker_transport``. The query string takes libpq parameters (``sslmode``,
+``connect_timeout``, ``target_session_attrs``, several ``HOST:PORT`` pairs separated by commas).
+
+Features
+- Exchanges (direct, topic, fanout), queues and bindings are stored in Postgres: every process
+  routes alike, and a publish is routed inside Postgres in one round trip.
+- Tenant channels: a message goes to the channel named by its ``x-channel`` header, else by its
+  routing key. Channels of a queue are served round-robin with per-channel ``max_concurrency``
+  and ``max_size`` policies (see :class:`lonnymq.Queue`). A full channel raises
+  :class:`lonnymq.ChannelFull` at publish.
+- ``x-dedup-name`` header: while a message of that name, in that queue and channel, was never
+  delivered, publishing another is a no-op.
+- Delays stay in Postgres: Celery's ``eta`` header (``countdown``/``eta``) or an ``x-delay-ms``
+  header keep the message invisible to consumers until due. Priority: the ``priority``
+  property (0-255, higher first, within a channel). Expiry: the ``expiration`` property and the
+  ``x-message-ttl`` / ``x-expires`` queue arguments.
+- Delivery: a consumer dequeues up to its free prefetch window across its queues in one round
+  trip and locks the messages for ``visibility_timeout``; ack deletes; reject with requeue and
+  the restore of unacked messages at shutdown unlock the same row; reject without requeue
+  deletes. No-ack consumers delete on delivery. A live consumer extends the locks of every
+  message it holds (prefetched or running) from a background thread; a dead consumer's
+  messages come back after ``visibility_timeout``.
+- Idle consumers wait on LISTEN/NOTIFY, and wake for delayed messages and expiring locks by
+  timer; ``polling_interval`` is only a safety net.
+
+Connections per process: 1 for a producer; 2 for a consumer (commands, and LISTEN).
+
+Transport options (``transport_options`` / Celery ``broker_transport_options``):
+``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
+(visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
+``batch_size`` (100), ``auto_install`` (True), ``max_message_bytes`` (8 MiB),
+``expire_interval`` (10 s), ``connect_timeout``.
+See :class:`lonnymq._options.Options` and ``docs/transport.md``. Unknown options are errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from queue import Empty
+from typing import Any
+
+import psycopg
+from amqp.protocol import queue_declare_ok_t
+from kombu.exceptions import ChannelError
+from kombu.transport import virtual
+from kombu.transport.virtual.exchange import TopicExchange
+from kombu.utils.json import dumps, loads
+
+from . import _headers, _url
+from ._heartbeat import Heartbeat
+from ._options import Options
+from ._pg import PgClient, Waiter
+from .exceptions import ChannelFull, ConnectionLost, LonnyMQError
+from .migrator import wake_channel
+from .queue import Message as QueueMessage
+from .queue import Outcome
+from .queue._ops import Op
+from .queue.admin import delete_queue_op, purge_op, stats_op
+from .queue.dequeue import DequeueResult, dequeue_op
+from .queue.finalize import defer_op, delete_op
+from .queue.routing import (
+    all_bindings_op,
+    bind_op,
+    bindings_op,
+    delete_many_op,
+    exchange_declare_op,
+    exchange_delete_op,
+    exchange_type_op,
+    publish_op,
+    queue_declare_op,
+    queue_exists_op,
+    unbind_op,
+)
+
+logger = logging.getLogger("lonnymq.transport")
+
+Held = tuple[int, uuid.UUID]
+
+
+class QoS(virtual.QoS):
+    """Prefetch accounting plus the lock of every delivered, unacked message: ack deletes the
+    row, reject with requeue (and restore at shutdown) unlocks it, reject without requeue
+    deletes it. Acks may come from any thread."""
+
+    def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
+        super().__init__(channel, prefetch_count)
+        self._held: dict[str, Held] = {}
+        self._held_lock = threading.Lock()
+
+    def hold(self, delivery_tag: str, ref: Held) -> None:
+        with self._held_lock:
+            self._held[delivery_tag] = ref
+
+    def held(self) -> list[Held]:
+        with self._held_lock:
+            return list(self._held.values())
+
+    def _release(self, delivery_tag: str) -> Held | None:
+        with self._held_lock:
+            return self._held.pop(delivery_tag, None)
+
+    def ack(self, delivery_tag: str) -> None:
+        ref = self._release(delivery_tag)
+        if ref is not None:
+            self.channel._finalize(ref, requeue=False, why="ack")
+        super().ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        ref = self._release(delivery_tag)
+        if ref is not None:
+            self.channel._finalize(ref, requeue=requeue, why="reject")
+        self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[tuple[BaseException, Any]]:
+        """Unlock every held message (same rows, no copies), e.g. at shutdown."""
+        self._flush()
+        with self._held_lock:
+            held, self._held = list(self._held.values()), {}
+        self._delivered.clear()
+        if held:
+            try:
+                self.channel._defer_many(held)
+            except LonnyMQError as exc:
+                # Not lost: the locks expire after visibility_timeout and they come back.
+                logger.warning(
+                    "lonnymq: could not release %d unacked message(s) (%s); they will be "
+                    "redelivered when their lock expires",
+                    len(held),
+                    exc,
+                )
+        return []
+
+
+class Channel(virtual.Channel):
+    """A kombu (AMQP-style) channel on lonnymq. Not to be confused with lonnymq's tenant
+    channels, called *lanes* in this module."""
+
+    QoS = QoS
+    supports_fanout = True
+    connection: Transport
+
+    def __init__(self, connection: Transport, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._no_ack_queues: set[str] = set()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @property
+    def options(self) -> Options:
+        return self.connection.options
+
+    def _run(self, op: Op[Any]) -> Any:
+        return self.connection.pg.run(op)
+
+    def _exchange_type(self, exchange: str) -> str:
+        cache = self.connection.exchange_types
+        if exchange not in cache:
+            found = self._run(exchange_type_op(self.options.schema, exchange))
+            if found is None:
+                return "direct"
+            cache[exchange] = found
+        return cache[exchange]
+
+    def _finalize(self, ref: Held, *, requeue: bool, why: str) -> None:
+        schema = self.options.schema
+        op = defer_op(schema, ref[0], ref[1]) if requeue else delete_op(schema, ref[0], ref[1])
+        outcome = self._run(op)
+        if outcome is not Outcome.OK:
+            logger.warning(
+                "lonnymq: %s of message %d ignored: %s (its lock expired and it was "
+                "delivered again, or it is gone)",
+                why,
+                ref[0],
+                outcome.value,
+            )
+
+    def _defer_many(self, held: Iterable[Held]) -> None:
+        for ref in held:
+            self._run(defer_op(self.options.schema, ref[0], ref[1]))
+
+    # -- exchanges, queues, bindings -----------------------------------------------------------
+
+    def exchange_declare(
+        self,
+        exchange: str | None = None,
+        type: str = "direct",
+        durable: bool = False,
+        auto_delete: bool = False,
+        arguments: Any = None,
+        nowait: bool = False,
+        passive: bool = False,
+    ) -> None:
+        type = type or "direct"
+        exchange = exchange or f"amq.{type}"
+        if passive:
+            if self._run(exchange_type_op(self.options.schema, exchange)) is None:
+                raise ChannelError(
+                    f"NOT_FOUND - no exchange {exchange!r}",
+                    (50, 10),
+                    "Channel.exchange_declare",
+                    "404",
+                )
+            return
+        self._run(
+            exchange_declare_op(
+                self.options.schema, exchange, type, durable=durable, auto_delete=auto_delete
+            )
+        )
+        self.connection.exchange_types[exchange] = type
+
+    def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
+        self._run(exchange_delete_op(self.options.schema, exchange))
+        self.connection.exchange_types.pop(exchange, None)
+
+    def queue_declare(self, queue: str | None = None, passive: bool = False, **kwargs: Any) -> Any:
+        queue = queue or f"amq.gen-{uuid.uuid4()}"
+        if passive:
+            if not self._run(queue_exists_op(self.options.schema, queue)):
+                raise ChannelError(
+                    f"NOT_FOUND - no queue {queue!r}", (50, 10), "Channel.queue_declare", "404"
+                )
+            waiting = self._size(queue)
+        else:
+            arguments = kwargs.get("arguments") or {}
+            waiting, _ = self._run(
+                queue_declare_op(
+                    self.options.schema,
+                    queue,
+                    expires_ms=_headers.int_arg(arguments, "x-expires"),
+                    message_ttl_ms=_headers.int_arg(arguments, "x-message-ttl"),
+                )
+            )
+        return queue_declare_ok_t(queue, waiting, 0)
+
+    def queue_bind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        exchange = exchange or "amq.direct"
+        kind = self._exchange_type(exchange)
+        pattern = TopicExchange(self).key_to_pattern(routing_key) if kind == "topic" else None
+        self._run(bind_op(self.options.schema, exchange, routing_key or "", queue, pattern))
+
+    def queue_unbind(
+        self,
+        queue: str,
+        exchange: str | None = None,
+        routing_key: str = "",
+        arguments: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        self._run(unbind_op(self.options.schema, exchange or "amq.direct", routing_key, queue))
+
+    def queue_delete(
+        self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
+    ) -> int | None:
+        if if_empty and self._size(queue):
+            return None
+        return int(self._run(delete_queue_op(self.options.schema, queue)))
+
+    def queue_purge(self, queue: str, **kwargs: Any) -> int:
+        return int(self._run(purge_op(self.options.schema, queue)))
+
+    def _purge(self, queue: str) -> int:
+        return self.queue_purge(queue)
+
+    def _size(self, queue: str) -> int:
+        stats = self._run(stats_op(self.options.schema, queue, count_ready=False))
+        return int(stats.waiting)
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self._run(delete_queue_op(self.options.schema, queue))
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return bool(self._run(queue_exists_op(self.options.schema, queue)))
+
+    def get_table(self, exchange: str) -> list[tuple[str, str | None, str]]:
+        rows = self._run(bindings_op(self.options.schema, exchange))
+        return [(rkey, pattern, queue) for _, rkey, queue, pattern in rows]
+
+    def list_bindings(self) -> Iterable[tuple[str, str, str]]:
+        return iter(self._run(all_bindings_op(self.options.schema)))
+
+    def typeof(self, exchange: str, default: str = "direct") -> Any:
+        return self.exchange_types[self._exchange_type(exchange) or default]
+
+    # -- publish ----------------------------------------------------------------------------
+
+    def basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kw: Any
+    ) -> None:
+        self._inplace_augment_message(message, exchange, routing_key)
+        self._publish(message, exchange or "", routing_key or "")
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self._publish(message, "", queue)
+
+    def _publish(self, message: dict[str, Any], exchange: str, routing_key: str) -> None:
+        headers = message.get("headers") or {}
+        props = message.get("properties") or {}
+        op = publish_op(
+            self.options.schema,
+            exchange,
+            routing_key,
+            dumps(message).encode(),
+            channel=_headers.str_or_none(headers.get("x-channel"), "x-channel"),
+            name=_headers.str_or_none(headers.get("x-dedup-name"), "x-dedup-name"),
+            delay_ms=_headers.delay_ms(headers),
+            priority=_headers.priority(props.get("priority")),
+            ttl_ms=_headers.expiration_ms(props.get("expiration")),
+            max_message_bytes=self.options.max_message_bytes,
+        )
+        routed = self._run(op)
+        if routed.dropped:
+            raise ChannelFull(
+                routed.dropped[0], str(headers.get("x-channel") or routing_key or routed.dropped[0])
+            )
+        if not routed.queues:
+            logger.warning(
+                "lonnymq: message to exchange %r with routing key %r matched no queue and "
+                "was dropped (declare and bind the queue first)",
+                exchange,
+                routing_key,
+            )
+
+    # -- consume ----------------------------------------------------------------------------
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        else:
+            self._no_ack_queues.discard(queue)
+        return super().basic_consume(queue, no_ack, *args, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._no_ack_queues.discard(queue)
+        return result
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        result = self._dequeue([queue], 1)
+        if not result.messages:
+            return None
+        message = result.messages[0]
+        payload = self._payload(message)
+        if no_ack:
+            self._run(delete_many_op(self.options.schema, [(message.id, message.lock_token)]))
+            return self.Message(payload, channel=self)
+        tag = payload["properties"]["delivery_tag"]
+        self.qos.hold(tag, (message.id, message.lock_token))
+        msg = self.Message(payload, channel=self)
+        self.qos.append(msg, tag)
+        return msg
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        result = self._dequeue([queue], 1)
+        if not result.messages:
+            raise Empty()
+        message = result.messages[0]
+        self.qos.hold(self._tag(message), (message.id, message.lock_token))
+        return self._payload(message)
+
+    def _dequeue(self, queues: list[str], limit: int) -> DequeueResult:
+        op = dequeue_op(self.options.schema, queues, limit=limit, lock_ms=self.options.lock_ms)
+        result: DequeueResult = self._run(op)
+        return result
+
+    @staticmethod
+    def _tag(message: QueueMessage) -> str:
+        return f"{message.id}:{message.lock_token.hex}"
+
+    def _payload(self, message: QueueMessage) -> dict[str, Any]:
+        payload: dict[str, Any] = loads(message.content)
+        props = payload.setdefault("properties", {})
+        props["delivery_tag"] = self._tag(message)
+        info = props.setdefault("delivery_info", {})
+        info["redelivered"] = message.attempts > 1
+        info["lonnymq"] = {
+            "id": message.id,
+            "channel": message.channel,
+            "attempts": message.attempts,
+        }
+        payload["redelivered"] = message.attempts > 1
+        return payload
+
+    def fetch(self) -> tuple[int, int | None]:
+        """Dequeue up to the free prefetch window across the consumed queues and deliver.
+        Returns (messages delivered, retry_ms when nothing was available)."""
+        if self.closed or not self._consumers or not self.qos.can_consume():
+            return 0, None
+        free = self.qos.can_consume_max_estimate()
+        limit = min(free or self.options.batch_size, self.options.batch_size)
+        queues = list(dict.fromkeys(self._active_queues))
+        result = self._dequeue(queues, limit)
+        if not result.messages:
+            return 0, result.retry_ms
+        no_ack = [m for m in result.messages if m.queue in self._no_ack_queues]
+        if no_ack:
+            self._run(delete_many_op(self.options.schema, [(m.id, m.lock_token) for m in no_ack]))
+        pending = [m for m in result.messages if m.queue not in self._no_ack_queues]
+        for message in pending:
+            self.qos.hold(self._tag(message), (message.id, message.lock_token))
+        delivered = 0
+        try:
+            for message in result.messages:
+                delivered += 1
+                self.connection._deliver(self._payload(message), message.queue)
+        except BaseException:
+            rest = [m for m in result.messages[delivered:] if m.queue not in self._no_ack_queues]
+            for m in rest:
+                self.qos._release(self._tag(m))
+            with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
+                self._defer_many((m.id, m.lock_token) for m in rest)
+            raise
+        return delivered, None
+
+    def _restore(self, message: Any) -> None:
+        ref = self.qos._release(message.delivery_tag)
+        if ref is not None:
+            self._finalize(ref, requeue=True, why="restore")
+
+    def _restore_at_beginning(self, message: Any) -> None:
+        self._restore(message)
+
+    def basic_recover(self, requeue: bool = False) -> Any:
+        if requeue:
+            return self.qos.restore_unacked()
+        raise NotImplementedError("lonnymq does not support recover(requeue=False)")
+
+
+class Transport(virtual.Transport):
+    """Kombu transport on lonnymq (see the module docstring)."""
+
+    Channel = Channel
+    can_parse_url = True
+    default_port = 5432  # type: ignore[assignment]
+    driver_type = "lonnymq"
+    driver_name = "lonnymq"
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False,
+        exchange_type=frozenset(["direct", "topic", "fanout"]),
+        heartbeats=False,
+    )
+    connection_errors = (ConnectionLost, psycopg.OperationalError, OSError)  # type: ignore[assignment]
+    channel_errors = (LonnyMQError, psycopg.Error, ChannelError)  # type: ignore[assignment]
+    recoverable_connection_errors = connection_errors
+    recoverable_channel_errors = ()
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        self.options = Options.from_mapping(
+            dict(client.transport_options or {}), getattr(client, "connect_timeout", None)
+        )
+        self.polling_interval = self.options.polling_interval
+        self.conninfo = _client_conninfo(client)
+        self.pg = PgClient(
+            self.conninfo,
+            schema=self.options.schema,
+            connect_timeout=self.options.connect_timeout,
+            auto_install=self.options.auto_install,
+        )
+        self.exchange_types: dict[str, str] = {}
+        self._waiter: Waiter | None = None
+        self._heartbeat: Heartbeat | None = None
+
+    @classmethod
+    def as_uri(cls, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        return _url.as_uri(uri, include_password, mask)
+
+    def driver_version(self) -> str:
+        return str(psycopg.__version__)
+
+    def establish_connection(self) -> Any:
+        self.pg.connection()
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stopped.set()
+                self._heartbeat = None
+            if self._waiter is not None:
+                self._waiter.close()
+                self._waiter = None
+            self.pg.close()
+
+    def _ensure_heartbeat(self) -> None:
+        beat = self._heartbeat
+        if beat is None or not beat.is_alive() or beat.pid != os.getpid():
+            self._heartbeat = Heartbeat(self)
+            self._heartbeat.start()
+
+    def _wait(self, seconds: float, queues: set[str]) -> None:
+        if not self.options.use_listen:
+            time.sleep(seconds)
+            return
+        if self._waiter is None:
+            self._waiter = Waiter(
+                self.conninfo, wake_channel(self.options.schema), self.options.connect_timeout
+            )
+        self._waiter.wait(seconds, queues)
+
+    def drain_events(self, connection: Any, timeout: float | None = None, **kwargs: Any) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            delivered = 0
+            retry_ms: int | None = None
+            queues: set[str] = set()
+            for channel in list(self.channels):
+                if channel._consumers:
+                    self._ensure_heartbeat()
+                    queues.update(channel._active_queues)
+                got, retry = channel.fetch()
+                delivered += got
+                if retry is not None:
+                    retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+            if delivered:
+                return
+            wait = self.options.polling_interval
+            if retry_ms is not None:
+                wait = min(wait, retry_ms / 1000 + 0.001)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError()
+                wait = min(wait, left)
+            self._wait(wait, queues)
+
+
+def _client_conninfo(client: Any) -> str:
+    hostname = client.hostname or "localhost"
+    if "://" in hostname:
+        return _url.to_conninfo(hostname)
+    vhost = client.virtual_host
+    return _url.from_fields(
+        hostname,
+        client.port,
+        client.userid,
+        client.password() if callable(client.password) else client.password,
+        None if vhost in (None, "", "/") else vhost,
+    )
