@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .exceptions import InvalidName, SchemaNotInstalled, SchemaTooNew
+from .exceptions import InvalidName, SchemaError, SchemaNotInstalled, SchemaTooNew
 
 DEFAULT_SCHEMA = "lonnymq"
 
@@ -154,10 +154,18 @@ def install(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
     already in one). Refuses a schema installed by a newer lonnymq.
     """
     schema = validate_schema(schema)
+    try:
+        return _install(conn, schema)
+    except psycopg.Error as exc:
+        raise SchemaError(f"installing the lonnymq schema {schema!r} failed: {exc}") from exc
+
+
+def _install(conn: psycopg.Connection[Any], schema: str) -> list[str]:
     with conn.transaction():
         conn.execute(_lock_key(schema))
         version = installed_version(conn, schema)
         if version is None:
+            _refuse_foreign_objects(conn, schema)
             conn.execute(fresh_install_sql(schema).encode())
             return [name for name, _ in migrations(schema)]
         if version > CURRENT_VERSION:
@@ -167,6 +175,22 @@ def install(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
             conn.execute(text.encode())
             applied.append(name)
         return applied
+
+
+def _refuse_foreign_objects(conn: psycopg.Connection[Any], schema: str) -> None:
+    """A schema without a migration record must hold no tables: we do not install over
+    objects we did not record (a half-removed install, or somebody else's schema)."""
+    row = conn.execute(
+        "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm')",
+        (schema,),
+    ).fetchone()
+    if row and row[0]:
+        raise SchemaError(
+            f"schema {schema!r} holds {row[0]} table(s) but no lonnymq migration record; "
+            "refusing to install over them: use another schema, or drop it if it is a "
+            "leftover lonnymq install"
+        )
 
 
 def check(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> int:

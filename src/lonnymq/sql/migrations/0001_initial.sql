@@ -306,7 +306,7 @@ $$;
 -- range scan per distinct priority, so delayed messages are never scanned.
 CREATE FUNCTION {schema}.channel_take_v1(p_channel_id bigint, p_limit integer, p_now timestamptz)
 RETURNS SETOF bigint
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql STABLE ROWS 10 AS $$
 DECLARE
     v_priority smallint;
     v_left integer := p_limit;
@@ -413,18 +413,20 @@ BEGIN
     -- 1. Messages whose lock expired. They still count against their channel's concurrency,
     --    so they are re-locked without touching the channel row.
     RETURN QUERY
-        WITH expired AS (
-            SELECT m.id FROM {schema}.message m
-            WHERE m.queue_id = ANY (v_queue_ids) AND m.locked_until <= v_now
-            ORDER BY m.locked_until
-            LIMIT p_limit
-            FOR UPDATE SKIP LOCKED
-        ), relocked AS (
+        WITH relocked AS (
+            -- ids as an array, not a join: a join estimated from LIMIT's row count can
+            -- turn into a hash join over the whole table under a generic plan
             UPDATE {schema}.message m SET
                 locked_until = v_now + v_lock,
                 lock_token = gen_random_uuid(),
                 attempts = m.attempts + 1
-            FROM expired e WHERE m.id = e.id
+            WHERE m.id = ANY (ARRAY(
+                SELECT e.id FROM {schema}.message e
+                WHERE e.queue_id = ANY (v_queue_ids) AND e.locked_until <= v_now
+                ORDER BY e.locked_until
+                LIMIT p_limit
+                FOR UPDATE SKIP LOCKED
+            ))
             RETURNING m.*
         )
         SELECT r.id, q.name, c.name, r.name, r.priority, r.attempts, r.lock_token,
@@ -487,19 +489,15 @@ BEGIN
                         - v_channels[i].current_concurrency - v_taken[i]);
                 END IF;
                 CONTINUE WHEN v_cap <= 0 OR v_done[i];
-                WITH t AS (
-                    SELECT x.id, x.rn
-                    FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
-                        WITH ORDINALITY AS x(id, rn)
-                ), u AS (
-                    UPDATE {schema}.message m SET
-                        locked_until = v_now + v_lock,
-                        lock_token = gen_random_uuid(),
-                        attempts = m.attempts + 1
-                    FROM t WHERE m.id = t.id
-                    RETURNING m.id, t.rn
-                )
-                SELECT array_agg(u.id ORDER BY u.rn) INTO v_batch FROM u;
+                SELECT array_agg(x.id ORDER BY x.rn) INTO v_batch
+                FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
+                    WITH ORDINALITY AS x(id, rn);
+                -- by primary key, from the array (never a join the planner could hash)
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1
+                WHERE m.id = ANY (v_batch);
                 v_n := coalesce(cardinality(v_batch), 0);
                 IF v_n < v_cap THEN
                     v_done[i] := true;  -- nothing more due in this channel

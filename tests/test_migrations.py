@@ -1,0 +1,660 @@
+"""Installing and upgrading the schema: a fresh install equals the replayed migrations,
+install is idempotent and refuses newer schemas, schema names are validated and quoted, and
+nothing depends on search_path."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any, LiteralString
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import lonnymq
+from lonnymq import CURRENT_VERSION, Outcome, migrator
+
+Conn = psycopg.Connection[Any]
+Catalog = dict[str, list[tuple[Any, ...]]]
+
+
+@pytest.fixture
+def other_schema(pg_dsn: str) -> Iterator[str]:
+    """A second fresh schema name, dropped after the test."""
+    name = f"lmq_mig_{uuid.uuid4().hex[:12]}"
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+# --- catalog snapshots -----------------------------------------------------------------------
+
+# One query per kind of object; %(schema)s is the schema name. Rows are compared after the
+# schema name is replaced by a placeholder, so two schemas can be compared.
+_CATALOG: dict[str, LiteralString] = {
+    "relations": """
+        SELECT c.relname, c.relkind, c.relpersistence, c.relrowsecurity,
+               coalesce(c.relacl::text, ''), coalesce(obj_description(c.oid, 'pg_class'), ''),
+               CASE WHEN c.relkind IN ('v', 'm') THEN pg_get_viewdef(c.oid) END
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1""",
+    # position among the live columns (a migration may leave dropped columns behind)
+    "columns": """
+        SELECT c.relname,
+               row_number() OVER (PARTITION BY c.oid ORDER BY a.attnum),
+               a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull, a.attidentity,
+               a.attgenerated, coalesce(pg_get_expr(d.adbin, d.adrelid), ''),
+               coalesce(co.collname, ''), coalesce(col_description(c.oid, a.attnum), '')
+        FROM pg_attribute a
+        JOIN pg_class c ON c.oid = a.attrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        LEFT JOIN pg_collation co ON co.oid = a.attcollation AND a.attcollation <> 0
+        WHERE n.nspname = %(schema)s AND a.attnum > 0 AND NOT a.attisdropped
+          AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'c')
+        ORDER BY 1, 2""",
+    "indexes": """
+        SELECT i.relname, t.relname, pg_get_indexdef(i.oid), x.indisunique, x.indisprimary,
+               x.indisvalid, x.indimmediate
+        FROM pg_index x
+        JOIN pg_class i ON i.oid = x.indexrelid
+        JOIN pg_class t ON t.oid = x.indrelid
+        JOIN pg_namespace n ON n.oid = i.relnamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1""",
+    "constraints": """
+        SELECT coalesce(t.relname, ''), con.conname, con.contype, pg_get_constraintdef(con.oid),
+               con.condeferrable, con.condeferred, con.convalidated
+        FROM pg_constraint con
+        JOIN pg_namespace n ON n.oid = con.connamespace
+        LEFT JOIN pg_class t ON t.oid = con.conrelid
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1, 2""",
+    "sequences": """
+        SELECT c.relname, format_type(s.seqtypid, NULL), s.seqstart, s.seqincrement, s.seqmax,
+               s.seqmin, s.seqcache, s.seqcycle
+        FROM pg_sequence s
+        JOIN pg_class c ON c.oid = s.seqrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1""",
+    "triggers": """
+        SELECT c.relname, t.tgname, pg_get_triggerdef(t.oid), t.tgenabled
+        FROM pg_trigger t
+        JOIN pg_class c ON c.oid = t.tgrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %(schema)s AND NOT t.tgisinternal
+        ORDER BY 1, 2""",
+    "policies": """
+        SELECT c.relname, p.polname, p.polcmd, p.polpermissive,
+               coalesce(pg_get_expr(p.polqual, p.polrelid), ''),
+               coalesce(pg_get_expr(p.polwithcheck, p.polrelid), '')
+        FROM pg_policy p
+        JOIN pg_class c ON c.oid = p.polrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1, 2""",
+    "types": """
+        SELECT t.typname, t.typtype, format_type(t.oid, NULL),
+               coalesce((SELECT string_agg(e.enumlabel, ',' ORDER BY e.enumsortorder)
+                         FROM pg_enum e WHERE e.enumtypid = t.oid), ''),
+               coalesce(format_type(t.typbasetype, t.typtypmod), ''), t.typnotnull
+        FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1""",
+    "functions": """
+        SELECT p.proname, pg_get_function_identity_arguments(p.oid),
+               pg_get_function_arguments(p.oid), pg_get_function_result(p.oid), l.lanname,
+               p.prokind, p.provolatile, p.proisstrict, p.prosecdef, p.proleakproof,
+               p.proparallel, p.procost, p.prorows, coalesce(p.proconfig::text, ''),
+               coalesce(p.proacl::text, ''), coalesce(obj_description(p.oid, 'pg_proc'), ''),
+               p.prosrc
+        FROM pg_proc p
+        JOIN pg_namespace n ON n.oid = p.pronamespace
+        JOIN pg_language l ON l.oid = p.prolang
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1, 2""",
+}
+
+
+def _normalise(value: Any, schema: str) -> Any:
+    return value.replace(schema, "<schema>") if isinstance(value, str) else value
+
+
+def catalog(conn: Conn, schema: str) -> Catalog:
+    """Every object of ``schema`` as rows, with the schema name replaced by a placeholder."""
+    snapshot: Catalog = {}
+    for kind, query in _CATALOG.items():
+        rows = conn.execute(query, {"schema": schema}).fetchall()
+        snapshot[kind] = [tuple(_normalise(v, schema) for v in row) for row in rows]
+    return snapshot
+
+
+def catalog_differences(a: Catalog, b: Catalog) -> list[str]:
+    """Readable differences between two snapshots (empty when they are equal)."""
+    out = []
+    for kind in a.keys() | b.keys():
+        rows_a, rows_b = a.get(kind, []), b.get(kind, [])
+        if rows_a == rows_b:
+            continue
+        only_a = [r for r in rows_a if r not in rows_b]
+        only_b = [r for r in rows_b if r not in rows_a]
+        out.append(f"{kind}: only in the first {only_a}; only in the second {only_b}")
+        if not only_a and not only_b:
+            out.append(f"{kind}: same rows in another order")
+    return out
+
+
+def migration_rows(conn: Conn, schema: str, *, with_time: bool = False) -> list[tuple[Any, ...]]:
+    columns = sql.SQL("version, name, applied_at" if with_time else "version, name")
+    query = sql.SQL("SELECT {} FROM {}.migration ORDER BY version").format(
+        columns, sql.Identifier(schema)
+    )
+    return conn.execute(query).fetchall()
+
+
+def replay_migrations(conn: Conn, schema: str) -> None:
+    """Apply lonnymq.migrations(schema) by hand, each in its own transaction, as a team using
+    its own migration tool would."""
+    for _name, text in lonnymq.migrations(schema):
+        with conn.transaction():
+            conn.execute(text.encode())
+
+
+def schema_exists(conn: Conn, schema: str) -> bool:
+    row = conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", (schema,)).fetchone()
+    return row == (1,)
+
+
+# --- 1. fresh install == replayed migrations -------------------------------------------------
+
+
+def test_fresh_install_equals_replayed_migrations(
+    schema: str, other_schema: str, connect: Callable[..., Conn]
+) -> None:
+    conn = connect()
+    assert lonnymq.install(conn, schema) == [name for name, _ in lonnymq.migrations(schema)]
+    # replayed with no search_path at all: no migration may depend on it
+    bare = connect(options="-c search_path=")
+    replay_migrations(bare, other_schema)
+
+    fresh, replayed = catalog(conn, schema), catalog(conn, other_schema)
+    assert fresh["relations"] and fresh["functions"], "the snapshot saw nothing"
+    assert not catalog_differences(fresh, replayed), "\n".join(catalog_differences(fresh, replayed))
+    expected = [(int(name[:4]), name[5:]) for name, _ in lonnymq.migrations(schema)]
+    assert migration_rows(conn, schema) == expected
+    assert migration_rows(conn, other_schema) == expected
+    assert expected[-1][0] == CURRENT_VERSION
+    # the replayed schema is current for lonnymq
+    assert lonnymq.install(conn, other_schema) == []
+    assert lonnymq.Broker(other_schema).check(conn) == CURRENT_VERSION
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "ALTER TABLE {s}.message ADD COLUMN extra integer",
+        "ALTER TABLE {s}.message ALTER COLUMN attempts TYPE bigint",
+        "ALTER TABLE {s}.message ALTER COLUMN name SET NOT NULL",
+        "ALTER TABLE {s}.channel ALTER COLUMN served_at SET DEFAULT 'infinity'",
+        "ALTER TABLE {s}.queue DROP CONSTRAINT queue_max_size_check",
+        "DROP INDEX {s}.message_locked_idx",
+        "CREATE INDEX message_extra_idx ON {s}.message (created_at)",
+        "ALTER FUNCTION {s}.queue_ensure_v1(text) STABLE",
+        "ALTER FUNCTION {s}.queue_ensure_v1(text) SET search_path = pg_catalog",
+        "CREATE FUNCTION {s}.extra_v1() RETURNS integer LANGUAGE sql AS 'SELECT 1'",
+        "CREATE TABLE {s}.extra (id integer)",
+    ],
+)
+def test_catalog_comparison_sees_differences(
+    schema: str, other_schema: str, connect: Callable[..., Conn], change: LiteralString
+) -> None:
+    """The comparison above is not vacuous: one small change to a schema makes it fail."""
+    conn = connect()
+    lonnymq.install(conn, schema)
+    lonnymq.install(conn, other_schema)
+    assert not catalog_differences(catalog(conn, schema), catalog(conn, other_schema))
+    conn.execute(sql.SQL(change).format(s=sql.Identifier(other_schema)))
+    assert catalog_differences(catalog(conn, schema), catalog(conn, other_schema))
+
+
+def test_catalog_comparison_sees_a_changed_function_body(
+    schema: str, other_schema: str, connect: Callable[..., Conn]
+) -> None:
+    conn = connect()
+    lonnymq.install(conn, schema)
+    lonnymq.install(conn, other_schema)
+    row = conn.execute(
+        "SELECT pg_get_functiondef(%s::regprocedure)",
+        (f"{other_schema}.channel_next_due_v1(bigint)",),
+    ).fetchone()
+    assert row is not None
+    changed = str(row[0]).replace("LIMIT 1", "LIMIT 2", 1)
+    assert changed != row[0]
+    conn.execute(changed.encode())
+    differences = catalog_differences(catalog(conn, schema), catalog(conn, other_schema))
+    assert differences and all(d.startswith("functions") for d in differences), differences
+
+
+# --- 2. idempotence --------------------------------------------------------------------------
+
+
+def test_install_is_idempotent(schema: str, connect: Callable[..., Conn]) -> None:
+    conn = connect()
+    assert not schema_exists(conn, schema)
+    # pending_sql only reads: on a missing schema it is the fresh install, and creates nothing
+    assert "CREATE TABLE" in migrator.pending_sql(conn, schema)
+    assert migrator.installed_version(conn, schema) is None
+    assert not schema_exists(conn, schema)
+
+    assert lonnymq.install(conn, schema) == [name for name, _ in lonnymq.migrations(schema)]
+    before = catalog(conn, schema)
+    rows = migration_rows(conn, schema, with_time=True)
+    assert lonnymq.install(conn, schema) == []
+    assert lonnymq.Broker(schema).install(conn) == []
+    assert catalog(conn, schema) == before
+    assert migration_rows(conn, schema, with_time=True) == rows
+    assert migrator.pending_sql(conn, schema) == ""
+    assert migrator.installed_version(conn, schema) == CURRENT_VERSION
+    assert lonnymq.Broker(schema).check(conn) == CURRENT_VERSION
+
+
+def test_install_in_the_callers_transaction(schema: str, connect: Callable[..., Conn]) -> None:
+    conn = connect(autocommit=False)
+    conn.execute("SELECT 1")  # the caller's transaction is open: install uses a savepoint
+    assert lonnymq.install(conn, schema) != []
+    assert lonnymq.install(conn, schema) == []  # sees its own uncommitted install
+    conn.rollback()
+    assert migrator.installed_version(conn, schema) is None
+    conn.rollback()
+
+
+def test_concurrent_installs_apply_once(schema: str, connect: Callable[..., Conn]) -> None:
+    conns = [connect() for _ in range(4)]
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(conns))
+
+    def work(conn: Conn) -> None:
+        try:
+            barrier.wait()
+            results.append(lonnymq.install(conn, schema))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(c,)) for c in conns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    applied = [r for r in results if r]
+    assert len(results) == len(conns) and len(applied) == 1, results
+    assert migration_rows(conns[0], schema) == [
+        (int(name[:4]), name[5:]) for name, _ in lonnymq.migrations(schema)
+    ]
+
+
+# --- 3. a schema from a newer lonnymq ----------------------------------------------------------
+
+
+def test_schema_too_new_is_refused(schema: str, connect: Callable[..., Conn]) -> None:
+    conn = connect()
+    broker = lonnymq.Broker(schema)
+    broker.install(conn)
+    conn.execute(
+        sql.SQL("INSERT INTO {}.migration (version, name) VALUES (999, 'from_the_future')").format(
+            sql.Identifier(schema)
+        )
+    )
+    before = catalog(conn, schema)
+    rows = migration_rows(conn, schema, with_time=True)
+
+    with pytest.raises(lonnymq.SchemaTooNew) as raised:
+        lonnymq.install(conn, schema)
+    assert (raised.value.schema, raised.value.installed, raised.value.known) == (
+        schema,
+        999,
+        CURRENT_VERSION,
+    )
+    assert "999" in str(raised.value)
+    with pytest.raises(lonnymq.SchemaTooNew):
+        broker.install(conn)
+    with pytest.raises(lonnymq.SchemaTooNew):
+        broker.check(conn)
+    with pytest.raises(lonnymq.SchemaTooNew):
+        migrator.pending_sql(conn, schema)
+    assert isinstance(raised.value, lonnymq.SchemaError)
+    assert catalog(conn, schema) == before
+    assert migration_rows(conn, schema, with_time=True) == rows
+
+
+# --- 4. schema names -------------------------------------------------------------------------
+
+
+class _NoDatabase:
+    """Stands in for a connection; any use of it fails the test."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"the database was touched (.{name}) before the name was checked")
+
+
+INVALID_NAMES: list[object] = [
+    "",
+    "Upper",
+    "1abc",
+    "a-b",
+    'x"; drop table',
+    "a" * 49,
+    "pg_foo",
+    None,
+    123,
+    "a b",
+    "abc\n",
+    "é",
+    "lonnymq.x",
+    b"lonnymq",
+]
+
+
+@pytest.mark.parametrize("name", INVALID_NAMES, ids=repr)
+def test_invalid_schema_names_are_refused_before_the_database(name: object) -> None:
+    fake: Any = _NoDatabase()
+    bad: Any = name
+    calls: list[Callable[[], object]] = [
+        lambda: lonnymq.Broker(bad),
+        lambda: lonnymq.Queue("q", schema=bad),
+        lambda: lonnymq.install(fake, bad),
+        lambda: lonnymq.migrations(bad),
+        lambda: migrator.install(fake, bad),
+        lambda: migrator.check(fake, bad),
+        lambda: migrator.pending_sql(fake, bad),
+        lambda: migrator.installed_version(fake, bad),
+        lambda: migrator.fresh_install_sql(bad),
+        lambda: migrator.wake_channel(bad),
+    ]
+    for call in calls:
+        with pytest.raises(lonnymq.InvalidName):
+            call()
+
+
+@pytest.mark.parametrize("name", ["a", "_", "lonnymq", "tenant_42", "a" * 48, "x1_"])
+def test_valid_schema_names_are_accepted(name: str) -> None:
+    assert lonnymq.Broker(name).schema == name
+    assert migrator.validate_schema(name) == name
+    assert lonnymq.migrations(name)
+
+
+# --- 5. quoting of the rendered SQL ----------------------------------------------------------
+
+
+def _lex(text: str, *, keep_literals: bool) -> str:
+    """``text`` without its comments; string literals kept or emptied to ''."""
+    out: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        if text.startswith("--", i):
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+        elif text.startswith("/*", i):
+            i = text.index("*/", i) + 2
+        elif text[i] == "'":
+            j = i + 1
+            while True:
+                j = text.index("'", j)
+                if text.startswith("''", j):
+                    j += 2
+                    continue
+                break
+            out.append(text[i : j + 1] if keep_literals else "''")
+            i = j + 1
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _code_only(text: str) -> str:
+    return _lex(text, keep_literals=False)
+
+
+@pytest.mark.parametrize("name", ["s1", "lmq_quote_probe"])
+def test_rendered_sql_quotes_the_schema(name: str) -> None:
+    texts = [text for _, text in lonnymq.migrations(schema=name)]
+    fresh = migrator.fresh_install_sql(name)
+    texts.append(fresh)
+    quoted = f'"{name}"'
+    # the NOTIFY channel and the advisory lock prefix are this schema's, as literals
+    literals = [f"'{name}_wake'", f"'lonnymq:{name}:'"]
+    for literal in literals:
+        assert literal in _lex(fresh, keep_literals=True)
+    for text in texts:
+        code = _code_only(text)
+        # every placeholder was filled in
+        assert not re.findall(r"\{[a-z_]*\}", code), re.findall(r"\{[a-z_]*\}", code)
+        # the schema appears only as a quoted identifier, or inside the two literals
+        rest = _lex(text, keep_literals=True)
+        for literal in literals:
+            rest = rest.replace(literal, "''")
+        for match in re.finditer(rf"(?<![\w$]){re.escape(name)}(?![\w$])", rest):
+            context = rest[match.start() - 1 : match.end() + 1]
+            assert context == quoted, (
+                f"unquoted schema name: {rest[match.start() - 30 : match.end() + 30]!r}"
+            )
+        # every object created, and every use of a lonnymq table or function, is qualified
+        for target in re.findall(r"CREATE SCHEMA (?:IF NOT EXISTS )?(\S+?);", code):
+            assert target == quoted, target
+        for kind, target in re.findall(
+            r"CREATE (?:OR REPLACE )?(TABLE|FUNCTION|VIEW|TYPE|SEQUENCE)\s+(\S+)", code
+        ):
+            assert target.startswith(f"{quoted}."), f"CREATE {kind} {target}"
+        for target in re.findall(r"CREATE (?:UNIQUE )?INDEX (?:CONCURRENTLY )?\w+ ON (\S+)", code):
+            assert target.startswith(f"{quoted}."), target
+        functions = set(re.findall(rf"CREATE FUNCTION {re.escape(quoted)}\.(\w+)", code))
+        for match in re.finditer(r"(?<![\w.\"])(\w+)\s*\(", code):
+            assert match.group(1) not in functions, f"unqualified call of {match.group(1)}"
+        tables = set(re.findall(rf"CREATE TABLE {re.escape(quoted)}\.(\w+)", code))
+        relation_refs = r"\b(?:FROM|JOIN|UPDATE|INTO|REFERENCES|TABLE|ON)\s+(\w+)\b(?!\s*\()"
+        for target in re.findall(relation_refs, code):
+            assert target not in tables, f"unqualified reference to table {target}"
+        type_refs = r"(?<![\w.\"])(\w+)(?:%ROWTYPE|\[\])"
+        for target in re.findall(type_refs, code):
+            assert target not in tables, f"unqualified use of the type {target}"
+    fresh_code = _code_only(fresh)
+    assert {"migration", "queue", "channel", "message"} <= set(
+        re.findall(rf"CREATE TABLE {re.escape(quoted)}\.(\w+)", fresh_code)
+    )
+    assert {"message_create_v1", "message_dequeue_v1"} <= set(
+        re.findall(rf"CREATE FUNCTION {re.escape(quoted)}\.(\w+)", fresh_code)
+    )
+
+
+# --- 6. migrations() -------------------------------------------------------------------------
+
+
+def test_migrations_default_schema_and_shape() -> None:
+    default = lonnymq.migrations()
+    assert default == lonnymq.migrations("lonnymq")
+    assert lonnymq.DEFAULT_SCHEMA == "lonnymq"
+    assert inspect.signature(lonnymq.migrations).parameters["schema"].default == "lonnymq"
+    assert inspect.signature(lonnymq.install).parameters["schema"].default == "lonnymq"
+    assert lonnymq.Broker().schema == "lonnymq"
+    assert isinstance(default, list) and len(default) == CURRENT_VERSION >= 1
+    for number, item in enumerate(default, start=1):
+        assert isinstance(item, tuple) and len(item) == 2
+        name, text = item
+        assert isinstance(name, str) and isinstance(text, str)
+        assert re.fullmatch(r"\d{4}_[a-z0-9_]+", name)
+        assert int(name[:4]) == number
+        assert '"lonnymq".' in text and "{schema}" not in _code_only(text)
+        # each migration records its own version, and only its own
+        records = re.findall(
+            r'INSERT INTO "lonnymq"\.migration \(version, name\) VALUES (.*);', text
+        )
+        assert records == [f"({number}, '{name[5:]}')"], records
+    assert [name for name, _ in default] == sorted(name for name, _ in default)
+
+
+# --- 7. no search_path -----------------------------------------------------------------------
+
+# The functions the Python queue API reaches; all must run with an empty search_path.
+API_FUNCTIONS = {
+    "queue_ensure_v1",
+    "channel_next_due_v1",
+    "channel_waiting_v1",
+    "channel_lock_v1",
+    "channel_store_v1",
+    "message_create_v1",
+    "channel_take_v1",
+    "queue_retry_ms_v1",
+    "message_dequeue_v1",
+    "channel_release_v1",
+    "message_delete_v1",
+    "message_defer_v1",
+    "message_heartbeat_v1",
+    "channel_policy_set_v1",
+    "channel_policy_clear_v1",
+    "queue_policy_set_v1",
+    "queue_purge_v1",
+    "queue_delete_v1",
+    "queue_stats_v1",
+}
+
+
+def test_everything_works_with_an_empty_search_path(
+    schema: str, connect: Callable[..., Conn]
+) -> None:
+    conn = connect(options="-c search_path=")
+    assert conn.execute("SHOW search_path").fetchone() == ("",)
+    assert conn.execute("SELECT current_schemas(false)").fetchone() == ([],)
+    conn.execute("SET track_functions = 'all'")  # to check below that everything ran
+
+    broker = lonnymq.Broker(schema)
+    assert broker.install(conn) != []
+    assert broker.check(conn) == CURRENT_VERSION
+    queue = broker.queue("default")
+    a, b = queue.channel("a"), queue.channel("b")
+
+    # create: plain, priority, named (and de-duplicated), delayed, batched
+    assert isinstance(a.message.create(conn, b"a1"), lonnymq.Created)
+    assert isinstance(a.message.create(conn, b"a2", priority=5), lonnymq.Created)
+    named = b.message.create(conn, b"b1", name="job")
+    assert isinstance(named, lonnymq.Created)
+    assert b.message.create(conn, b"b2", name="job") == lonnymq.Deduplicated(named.id)
+    b.message.create(conn, b"later", delay_ms=60_000)
+    batch = queue.batch()
+    batch.channel("c").message(b"c1")
+    batch.channel("c").policy.set(max_concurrency=1)
+    batch.execute(conn)
+
+    # dequeue, heartbeat, defer (with state and delay), delete
+    got = queue.dequeue(conn, limit=10, lock_ms=60_000).messages
+    assert sorted(m.content for m in got) == [b"a1", b"a2", b"b1", b"c1"]
+    assert broker.heartbeat(conn, got, lock_ms=60_000) == {m.id for m in got}
+    first, *others = got
+    assert first.defer(conn, state=b"step") is Outcome.OK
+    assert others[0].defer(conn, delay_ms=60_000) is Outcome.OK
+    for message in others[1:]:
+        assert message.delete(conn) is Outcome.OK
+    again = queue.dequeue(conn, lock_ms=60_000).messages
+    assert [(m.id, m.state) for m in again] == [(first.id, b"step")]
+    assert first.delete(conn) is Outcome.STATE_INVALID  # the old lock token
+    assert again[0].delete(conn) is Outcome.OK
+
+    # an expired lock is handed out again
+    a.message.create(conn, b"lost")
+    lost = queue.dequeue(conn, lock_ms=1).messages[0]
+    time.sleep(0.01)
+    assert queue.dequeue(conn, lock_ms=60_000).messages[0].id == lost.id
+
+    # nothing due: retry_ms
+    empty = queue.dequeue(conn)
+    assert not empty and empty.retry_ms is not None
+
+    # policies: a full channel drops, a saturated one waits
+    a.policy.set(conn, max_concurrency=1, max_size=1)
+    assert a.policy.get(conn) == lonnymq.Policy(max_concurrency=1, max_size=1)
+    assert isinstance(a.message.create(conn, b"x", raise_if_dropped=False), lonnymq.Dropped)
+    a.policy.clear(conn)
+    assert a.policy.get(conn) is None
+    queue.policy.set(conn, max_concurrency=2, max_size=100)
+    assert queue.policy.get(conn) == lonnymq.Policy(max_concurrency=2, max_size=100)
+    queue.policy.clear(conn)
+    info = a.info(conn)
+    assert info.own is None and info.size == 1 and info.in_flight == 1
+
+    # stats, size, queues, purge, delete
+    stats = queue.stats(conn)
+    assert stats.total >= 1 and stats.delayed is not None
+    assert queue.size(conn) == stats.waiting
+    assert broker.queues(conn) == ["default"]
+    assert queue.purge(conn) >= 1
+    queue.delete(conn)
+    assert broker.queues(conn) == []
+
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT 1")  # the flush happens when the session goes idle
+    called = {
+        row[0]
+        for row in conn.execute(
+            "SELECT funcname FROM pg_stat_user_functions WHERE schemaname = %s AND calls > 0",
+            (schema,),
+        )
+    }
+    assert not API_FUNCTIONS - called, f"never ran: {sorted(API_FUNCTIONS - called)}"
+
+
+# --- 8. half-installed schemas ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("damage", "operation"),
+    [
+        ("DROP FUNCTION {s}.message_create_v1", "create"),
+        ("DROP FUNCTION {s}.channel_lock_v1", "create"),  # called by message_create_v1
+        ("DROP TABLE {s}.message CASCADE", "create"),
+        ("DROP FUNCTION {s}.message_dequeue_v1", "dequeue"),
+        ("DROP FUNCTION {s}.channel_take_v1", "dequeue"),  # called by message_dequeue_v1
+        ("DROP FUNCTION {s}.message_delete_v1", "delete"),
+    ],
+)
+def test_half_installed_schema_is_a_clear_error(
+    schema: str, connect: Callable[..., Conn], damage: LiteralString, operation: str
+) -> None:
+    conn = connect()
+    broker = lonnymq.Broker(schema)
+    broker.install(conn)
+    queue = broker.queue("default")
+    queue.channel("a").message.create(conn, b"x")
+    held = queue.dequeue(conn, lock_ms=60_000).messages[0]
+    queue.channel("a").message.create(conn, b"y")
+    conn.execute(sql.SQL(damage).format(s=sql.Identifier(schema)))
+
+    with pytest.raises(lonnymq.SchemaNotInstalled, match="lonnymq migrate") as raised:
+        if operation == "create":
+            queue.channel("a").message.create(conn, b"z")
+        elif operation == "dequeue":
+            queue.dequeue(conn)
+        else:
+            held.delete(conn)
+    assert raised.value.schema == schema
+    assert schema in str(raised.value)
+    assert isinstance(raised.value.__cause__, psycopg.Error)
+
+
+def test_install_over_a_schema_without_migration_table(
+    schema: str, connect: Callable[..., Conn]
+) -> None:
+    conn = connect()
+    lonnymq.install(conn, schema)
+    conn.execute(sql.SQL("DROP TABLE {}.migration").format(sql.Identifier(schema)))
+    before = catalog(conn, schema)
+    with pytest.raises(lonnymq.SchemaError):
+        lonnymq.install(conn, schema)
+    assert catalog(conn, schema) == before

@@ -1,0 +1,474 @@
+"""Dequeue cost stays flat as channels and backlog grow.
+
+A schema is filled directly in SQL with 10,000 channels and 100,000 messages (several
+priorities, delayed messages, held messages, a few expired locks, channels at max_concurrency
+and at max_size, three queues), consistent with the invariants of schema.sql. The hot
+operations then run through the Python API with ``auto_explain`` loaded in the session, so the
+plan of every statement the PL/pgSQL functions execute reaches the client as a JSON notice:
+
+* no statement of a hot function scans ``message`` or ``channel`` sequentially, with custom
+  and with generic plans, and none reads more than a few hundred of their rows;
+* the buffers one dequeue + delete touches barely grow from 10 channels / 1,000 messages to
+  10,000 channels / 100,000 messages;
+* a dequeue + delete on the big schema is fast (generous bound, informative).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+import lonnymq
+from lonnymq import Outcome
+
+Conn = psycopg.Connection[Any]
+
+BIG_CHANNELS, BIG_PER_CHANNEL = 10_000, 10
+SMALL_CHANNELS, SMALL_PER_CHANNEL = 10, 100
+QUEUES = ("default", "other", "sleepy")
+BIG_TABLES = ("message", "channel")
+
+# Channel g (1..n) lives in queue 'other' when g % 10 = 0, 'sleepy' when g % 10 = 1 (nothing
+# is ever due there: half its channels are at max_concurrency, the other half only hold
+# delayed messages), else 'default'. Policies: g % 50 = 2 -> max_concurrency 2 with 2 held
+# (saturated); g % 50 = 4 -> max_concurrency 3 with 1 held; g % 50 = 6 -> max_size = its size
+# (full). g % 3 = 0 was served recently. Messages: four priorities; k % 7 = 0 delayed by an
+# hour, and every message of g % 10 = 5 too; k = 1 held when g % 5 = 4; k = 1 held with an
+# expired lock when g % 1000 = 7; k = 2 deferred before (attempts 1, state) when g % 4 = 0;
+# k = 3 named (de-duplication index).
+_FILL_CHANNELS = sql.SQL("""
+INSERT INTO {s}.queue (name) VALUES ('default'), ('other'), ('sleepy');
+INSERT INTO {s}.channel (
+    queue_id, name, max_concurrency, max_size, has_policy, own_max_concurrency, own_max_size,
+    served_at
+)
+SELECT q.id, 'ch-' || g, p.mc, p.ms, p.mc IS NOT NULL OR p.ms IS NOT NULL, p.mc, p.ms,
+       CASE WHEN g % 3 = 0 THEN now() - make_interval(secs => g % 97 + 1) ELSE '-infinity' END
+FROM generate_series(1, {channels}) AS g
+JOIN {s}.queue q ON q.name = CASE g % 10 WHEN 0 THEN 'other' WHEN 1 THEN 'sleepy'
+                                          ELSE 'default' END
+CROSS JOIN LATERAL (
+    SELECT CASE WHEN g % 50 = 2 THEN 2 WHEN g % 50 = 4 THEN 3 WHEN g % 20 = 1 THEN 1 END AS mc,
+           CASE WHEN g % 50 = 6 THEN {per} END AS ms
+) AS p;
+""")
+
+_FILL_MESSAGES = sql.SQL("""
+INSERT INTO {s}.message (
+    channel_id, queue_id, priority, attempts, dequeue_at, locked_until, lock_token, name,
+    content, state
+)
+SELECT c.id, c.queue_id, x.priority,
+       CASE WHEN x.lock IS NOT NULL OR x.retried THEN 1 ELSE 0 END,
+       x.due, x.lock, CASE WHEN x.lock IS NOT NULL THEN gen_random_uuid() END,
+       CASE WHEN k = 3 THEN 'job-3' END,
+       convert_to(format('payload %s/%s', c.name, k), 'UTF8'),
+       CASE WHEN x.retried THEN '\\x01'::bytea END
+FROM {s}.channel c
+CROSS JOIN LATERAL (SELECT substr(c.name, 4)::integer AS g) AS n
+CROSS JOIN generate_series(1, {per}) AS k
+CROSS JOIN LATERAL (
+    SELECT ((k * 7 + n.g) % 4 * 3)::smallint AS priority,
+           CASE WHEN n.g % 10 = 5 OR n.g % 20 = 11 OR k % 7 = 0
+                THEN now() + interval '1 hour' + make_interval(secs => k)
+                ELSE now() - make_interval(secs => k + n.g % 13) END AS due,
+           CASE WHEN n.g % 1000 = 7 AND k = 1 THEN now() - interval '1 minute'
+                WHEN (n.g % 50 = 2 AND k <= 2) OR (n.g % 20 = 1 AND k = 1)
+                     OR (n.g % 5 = 4 AND k = 1) THEN now() + interval '1 hour'
+           END AS lock,
+           n.g % 4 = 0 AND k = 2 AS retried
+) AS x;
+""")
+
+_FILL_COUNTERS = sql.SQL("""
+UPDATE {s}.channel c SET
+    current_size = a.n,
+    current_concurrency = a.held,
+    waiting_since = CASE
+        WHEN c.max_concurrency IS NOT NULL AND a.held >= c.max_concurrency THEN NULL
+        WHEN a.due IS NULL THEN NULL
+        ELSE GREATEST(a.due, c.served_at) END
+FROM (
+    SELECT m.channel_id, count(*)::integer AS n, count(m.locked_until)::integer AS held,
+           min(m.dequeue_at) FILTER (WHERE m.locked_until IS NULL) AS due
+    FROM {s}.message m GROUP BY m.channel_id
+) AS a
+WHERE a.channel_id = c.id;
+""")
+
+# Channels breaking an invariant.
+_BROKEN_INVARIANTS = sql.SQL("""
+SELECT count(*) FROM {s}.channel c
+LEFT JOIN (
+    SELECT m.channel_id, count(*) AS n, count(m.locked_until) AS held
+    FROM {s}.message m GROUP BY m.channel_id
+) AS a ON a.channel_id = c.id
+WHERE c.current_size IS DISTINCT FROM coalesce(a.n, 0)
+   OR c.current_concurrency IS DISTINCT FROM coalesce(a.held, 0)
+   -- the schema's own definition, on a sample that has every kind of channel
+   OR (substr(c.name, 4)::integer <= 200
+       AND c.waiting_since IS DISTINCT FROM {s}.channel_waiting_v1(c))
+   OR NOT EXISTS (SELECT 1 FROM {s}.queue q WHERE q.id = c.queue_id)
+""")
+
+
+def fill(conn: Conn, schema: str, channels: int, per_channel: int) -> None:
+    """Fill an installed, empty schema with ``channels`` x ``per_channel`` messages."""
+    args = {"s": sql.Identifier(schema), "channels": channels, "per": per_channel}
+    with conn.transaction():
+        for statement in (_FILL_CHANNELS, _FILL_MESSAGES, _FILL_COUNTERS):
+            conn.execute(statement.format(**args))
+    for table in ("queue", "channel", "message"):
+        conn.execute(
+            sql.SQL("VACUUM ANALYZE {}.{}").format(sql.Identifier(schema), sql.Identifier(table))
+        )
+    broken = conn.execute(_BROKEN_INVARIANTS.format(s=sql.Identifier(schema))).fetchone()
+    assert broken == (0,), "the generated data breaks the schema invariants"
+    total = conn.execute(
+        sql.SQL("SELECT count(*) FROM {}.message").format(sql.Identifier(schema))
+    ).fetchone()
+    assert total == (channels * per_channel,)
+
+
+@dataclass
+class Dataset:
+    schema: str
+    broker: lonnymq.Broker
+    channels: int
+    per_channel: int
+
+
+def _make_dataset(pg_dsn: str, channels: int, per_channel: int) -> Iterator[Dataset]:
+    schema = f"lmq_plans_{uuid.uuid4().hex[:12]}"
+    broker = lonnymq.Broker(schema)
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            broker.install(conn)
+            fill(conn, schema, channels, per_channel)
+        yield Dataset(schema, broker, channels, per_channel)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture(scope="module")
+def big(pg_dsn: str) -> Iterator[Dataset]:
+    yield from _make_dataset(pg_dsn, BIG_CHANNELS, BIG_PER_CHANNEL)
+
+
+@pytest.fixture(scope="module")
+def small(pg_dsn: str) -> Iterator[Dataset]:
+    yield from _make_dataset(pg_dsn, SMALL_CHANNELS, SMALL_PER_CHANNEL)
+
+
+# --- capturing plans with auto_explain -----------------------------------------------------
+
+
+@dataclass
+class Plan:
+    text: str
+    root: dict[str, Any]
+
+    def nodes(self) -> Iterator[dict[str, Any]]:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.get("Plans", []))
+
+    @property
+    def buffers(self) -> int:
+        """Shared buffers hit or read by the statement (nested statements included)."""
+        return int(self.root["Shared Hit Blocks"]) + int(self.root["Shared Read Blocks"])
+
+    def rows_read(self, tables: tuple[str, ...] = BIG_TABLES) -> int:
+        """Rows the scans of ``tables`` produced or filtered away."""
+        total = 0
+        for node in self.nodes():
+            if node.get("Relation Name") in tables and "Scan" in node["Node Type"]:
+                loops = int(node.get("Actual Loops", 1))
+                total += int(node.get("Actual Rows", 0)) * loops
+                total += int(node.get("Rows Removed by Filter", 0))
+                total += int(node.get("Rows Removed by Index Recheck", 0))
+        return total
+
+    def seq_scans(self, tables: tuple[str, ...] = BIG_TABLES) -> list[str]:
+        return [
+            str(node["Relation Name"])
+            for node in self.nodes()
+            if node["Node Type"] == "Seq Scan" and node.get("Relation Name") in tables
+        ]
+
+
+@dataclass
+class Recorder:
+    """Collects the plans auto_explain sends as notices on one connection."""
+
+    conn: Conn
+    plans: list[Plan] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.conn.add_notice_handler(self._on_notice)
+        for setting in (
+            "LOAD 'auto_explain'",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_nested_statements = on",
+            "SET auto_explain.log_format = json",
+            "SET auto_explain.log_analyze = on",
+            "SET auto_explain.log_buffers = on",
+            "SET auto_explain.log_timing = off",
+            "SET auto_explain.log_level = notice",
+            "SET client_min_messages = notice",
+        ):
+            self.conn.execute(setting)
+
+    def _on_notice(self, diag: psycopg.errors.Diagnostic) -> None:
+        message = diag.message_primary or ""
+        if "plan:" in message and "{" in message:
+            document = json.loads(message[message.index("{") :])
+            self.plans.append(Plan(document["Query Text"], document["Plan"]))
+
+    def take(self) -> list[Plan]:
+        plans, self.plans = self.plans, []
+        return plans
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _describe(plan: Plan) -> str:
+    scans = [
+        f"{node['Node Type']} on {node.get('Relation Name')}"
+        f" (rows={node.get('Actual Rows')}, loops={node.get('Actual Loops')},"
+        f" removed={node.get('Rows Removed by Filter', 0)})"
+        for node in plan.nodes()
+        if node.get("Relation Name") in BIG_TABLES
+    ]
+    return (
+        f"  {_normalise(plan.text)[:300]}\n"
+        f"    seq scans={plan.seq_scans()} rows read={plan.rows_read()}"
+        f" buffers={plan.buffers}\n    " + "\n    ".join(scans)
+    )
+
+
+# --- the workload ----------------------------------------------------------------------------
+
+# Statements of the hot functions that the workload must have exercised (whitespace-normalised
+# fragments of their text as auto_explain reports it), so that the checks below cannot pass
+# by capturing nothing.
+EXPECTED_STATEMENTS = {
+    "message_dequeue_v1 (queues)": "array_agg(q.id)",
+    "message_dequeue_v1 (expired locks)": "WITH relocked AS",
+    "message_dequeue_v1 (channels whose turn it is)": "CROSS JOIN LATERAL",
+    "message_dequeue_v1 (take from a channel)": "channel_take_v1(v_channels[i].id",
+    "message_dequeue_v1 (lock the taken messages)": "WHERE m.id = ANY (v_batch)",
+    "message_dequeue_v1 (result rows)": "FROM unnest(v_ids, v_ranks, v_orders)",
+    "channel_take_v1": "m.priority = v_priority AND m.dequeue_at <= p_now",
+    "channel_next_due_v1": "SELECT m.priority, m.dequeue_at",
+    "channel_store_v1": ".channel SET current_size = p_new.current_size",
+    "channel_lock_v1": "c.queue_id = p_queue_id AND c.name = p_channel",
+    "channel_release_v1": "WHERE c.id = p_channel_id FOR UPDATE",
+    "queue_ensure_v1": "WHERE q.name = p_queue",
+    "queue_retry_ms_v1": "ORDER BY m.locked_until LIMIT 1",
+    "message_create_v1 (insert)": ".message (channel_id, queue_id, priority, dequeue_at,",
+    "message_create_v1 (de-duplication)": "m.name = p_name AND m.attempts = 0",
+    "message_delete_v1": "DELETE FROM",
+    "message_defer_v1": "dequeue_at = clock_timestamp() + p_delay_ms",
+    "message_heartbeat_v1": "SET locked_until = clock_timestamp() + p_lock_ms",
+}
+
+# Statements with a known defect, each pinned by a strict xfail test, are left out of the
+# general check so that it keeps guarding every other statement (none at the moment: the
+# SETOF-join seq scan in dequeue and the generic-plan relock scan were fixed by locking rows
+# through an id array).
+KNOWN_DEFECTS: dict[str, tuple[str, ...]] = {
+    "force_custom_plan": (),
+    "force_generic_plan": (),
+}
+MAX_ROWS_PER_STATEMENT = 200
+
+
+def run_workload(broker: lonnymq.Broker, conn: Conn, rep: int) -> None:
+    """Every hot operation at least once, through the Python API, checking its results."""
+    default = broker.queue("default")
+    # dequeue: one message, then a batch across two queues (expired locks come first)
+    one = broker.dequeue(conn, ["default"], limit=1, lock_ms=60_000)
+    batch = broker.dequeue(conn, ["default", "other"], limit=10, lock_ms=60_000)
+    held = one.messages + batch.messages
+    assert len(held) == 11
+    assert broker.heartbeat(conn, held, lock_ms=120_000) == {m.id for m in held}
+    for i, message in enumerate(held):
+        if i % 3 == 0:
+            outcome = message.defer(conn, delay_ms=1_000 * i, state=b"step")
+        elif i % 3 == 1:
+            outcome = message.defer(conn)
+        else:
+            outcome = message.delete(conn)
+        assert outcome is Outcome.OK
+    # a lock expires: the next dequeue hands the messages out again, first
+    lost = broker.dequeue(conn, ["default", "other"], limit=3, lock_ms=1)
+    time.sleep(0.01)
+    again = broker.dequeue(conn, ["default", "other"], limit=3, lock_ms=60_000)
+    assert [m.id for m in again.messages] == sorted(m.id for m in lost.messages)
+    for message in again.messages:
+        assert message.delete(conn) is Outcome.OK
+    # create: in big channels (one saturated), named and delayed ones
+    assert isinstance(default.channel("ch-12").message.create(conn, b"x"), lonnymq.Created)
+    assert isinstance(default.channel("ch-52").message.create(conn, b"x"), lonnymq.Created)
+    named = default.channel("ch-13").message.create(
+        conn, b"x", name=f"n-{uuid.uuid4().hex}", delay_ms=5_000
+    )
+    assert isinstance(named, lonnymq.Created)
+    # create: a new channel, de-duplicated, then full (a channel of its own, so that the
+    # other tests dequeuing from the big schema cannot change the outcome)
+    new = default.channel(f"new-{rep}-{uuid.uuid4().hex[:6]}")
+    first = new.message.create(conn, b"x", name="job", priority=3)
+    assert isinstance(first, lonnymq.Created)
+    assert new.message.create(conn, b"x", name="job") == lonnymq.Deduplicated(first.id)
+    new.policy.set(conn, max_size=1)
+    assert isinstance(new.message.create(conn, b"x", raise_if_dropped=False), lonnymq.Dropped)
+    # nothing due in 'sleepy': dequeue reports when to retry (queue_retry_ms_v1)
+    empty = broker.dequeue(conn, ["sleepy"], limit=5)
+    assert not empty and empty.retry_ms is not None
+    retry = conn.execute(
+        sql.SQL("SELECT {s}.queue_retry_ms_v1(ARRAY(SELECT id FROM {s}.queue))").format(
+            s=sql.Identifier(broker.schema)
+        )
+    ).fetchone()
+    assert retry is not None and retry[0] is not None
+
+
+def _drain_expired(broker: lonnymq.Broker, conn: Conn) -> None:
+    """Hand out and ack the messages whose lock expired (the fill leaves a few). Asking for
+    exactly that many runs only the expired-lock step of the dequeue."""
+    found = conn.execute(
+        sql.SQL("SELECT count(*) FROM {}.message WHERE locked_until <= clock_timestamp()").format(
+            sql.Identifier(broker.schema)
+        )
+    ).fetchone()
+    assert found is not None
+    if found[0]:
+        got = broker.dequeue(conn, list(QUEUES), limit=found[0], lock_ms=60_000).messages
+        assert len(got) == found[0]
+        for message in got:
+            assert message.delete(conn) is Outcome.OK
+
+
+def _cycle(broker: lonnymq.Broker, conn: Conn, recorder: Recorder) -> tuple[int, int, int]:
+    """One dequeue + delete: (buffers, rows of message/channel read, seq scans on them)."""
+    recorder.take()
+    message = broker.dequeue(conn, ["default"], limit=1, lock_ms=60_000).messages[0]
+    assert message.delete(conn) is Outcome.OK
+    plans = recorder.take()
+    tops = [p for p in plans if "message_dequeue_v1(" in p.text or "message_delete_v1(" in p.text]
+    assert len(tops) == 2, [p.text for p in tops]
+    return (
+        sum(p.buffers for p in tops),
+        sum(p.rows_read() for p in plans),
+        sum(len(p.seq_scans()) for p in plans),
+    )
+
+
+# --- the tests -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["force_custom_plan", "force_generic_plan"])
+def test_hot_statements_use_indexes(big: Dataset, connect: Callable[..., Conn], mode: str) -> None:
+    """No statement of a hot function scans message or channel sequentially or reads more
+    than a few hundred of their rows, with custom and with generic plans."""
+    conn = connect()
+    conn.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.Literal(mode)))
+    recorder = Recorder(conn)
+    for rep in range(3):  # repeated, so that cached plans are reused too
+        run_workload(big.broker, conn, rep)
+    plans = recorder.take()
+
+    texts = [_normalise(p.text) for p in plans]
+    missing = [f for f, frag in EXPECTED_STATEMENTS.items() if not any(frag in t for t in texts)]
+    assert not missing, f"no plan captured for {missing}: is auto_explain working?"
+
+    known = KNOWN_DEFECTS[mode]
+    offenders = [
+        p
+        for p in plans
+        if not any(fragment in _normalise(p.text) for fragment in known)
+        and (p.seq_scans() or p.rows_read() > MAX_ROWS_PER_STATEMENT)
+    ]
+    assert not offenders, f"{len(offenders)} statements scan the big tables:\n" + "\n".join(
+        _describe(p) for p in offenders
+    )
+
+
+def test_dequeue_reads_a_bounded_number_of_rows(big: Dataset, connect: Callable[..., Conn]) -> None:
+    """A dequeue + delete reads a handful of rows, not the backlog (auto plan cache mode)."""
+    conn = connect()
+    recorder = Recorder(conn)
+    _drain_expired(big.broker, conn)
+    costs = [_cycle(big.broker, conn, recorder) for _ in range(8)]
+    assert max(rows for _, rows, _ in costs) <= MAX_ROWS_PER_STATEMENT, costs
+    assert sum(scans for _, _, scans in costs) == 0, costs
+
+
+def test_relocking_expired_messages_with_generic_plans(
+    big: Dataset, connect: Callable[..., Conn]
+) -> None:
+    """Handing out messages whose lock expired does not scan the backlog, whatever the plan
+    cache mode (with force_generic_plan, LIMIT p_limit is estimated at 10% of the rows)."""
+    conn = connect()
+    conn.execute("SET plan_cache_mode = force_generic_plan")
+    recorder = Recorder(conn)
+    _drain_expired(big.broker, conn)
+    lost = big.broker.dequeue(conn, ["default"], limit=3, lock_ms=1)
+    time.sleep(0.01)
+    recorder.take()
+    # limit = the number of expired messages: only the expired-lock step runs
+    again = big.broker.dequeue(conn, ["default"], limit=3, lock_ms=60_000)
+    plans = recorder.take()
+    assert sorted(m.id for m in again.messages) == sorted(m.id for m in lost.messages)
+    offenders = [p for p in plans if p.seq_scans() or p.rows_read() > MAX_ROWS_PER_STATEMENT]
+    assert not offenders, "\n".join(_describe(p) for p in offenders)
+
+
+def test_dequeue_buffers_stay_flat(
+    small: Dataset, big: Dataset, connect: Callable[..., Conn]
+) -> None:
+    """The shared buffers one dequeue + delete touches (nested statements included, from the
+    top-level plans' EXPLAIN ANALYZE BUFFERS) barely grow from 10 channels / 1,000 messages
+    to 10,000 channels / 100,000 messages."""
+    medians: dict[int, float] = {}
+    for dataset in (small, big):
+        conn = connect()
+        recorder = Recorder(conn)
+        _drain_expired(dataset.broker, conn)
+        for _ in range(10):  # warm up: plan caches, catalog caches
+            _cycle(dataset.broker, conn, recorder)
+        costs = [_cycle(dataset.broker, conn, recorder) for _ in range(20)]
+        medians[dataset.channels] = statistics.median(buffers for buffers, _, _ in costs)
+    small_buffers, big_buffers = medians[SMALL_CHANNELS], medians[BIG_CHANNELS]
+    assert big_buffers <= 2 * small_buffers, f"median buffers per dequeue + delete: {medians}"
+
+
+def test_dequeue_is_fast_on_a_big_backlog(big: Dataset, connect: Callable[..., Conn]) -> None:
+    """Median of 20 dequeue + delete round trips under 20 ms with 100,000 messages (a
+    generous bound: a few ms is typical; a scan of the backlog takes far longer)."""
+    conn = connect()
+    _drain_expired(big.broker, conn)
+    timings = []
+    for i in range(25):
+        start = time.perf_counter()
+        message = big.broker.dequeue(conn, ["default"], limit=1, lock_ms=60_000).messages[0]
+        assert message.delete(conn) is Outcome.OK
+        if i >= 5:  # the first ones plan the statements
+            timings.append(time.perf_counter() - start)
+    median_ms = statistics.median(timings) * 1000
+    assert median_ms < 20, f"median dequeue + delete: {median_ms:.1f} ms"
