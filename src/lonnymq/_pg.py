@@ -186,10 +186,13 @@ class Waiter(_Forkable):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
+                    woken = False
                     for note in conn.notifies(timeout=left, stop_after=1):
-                        if queues is None or note.payload in queues:
-                            self._drain(conn)
-                            return True
+                        woken = woken or queues is None or note.payload in queues
+                    # outside the generator: it holds the connection's lock while it runs
+                    if woken:
+                        self._drain(conn)
+                        return True
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()

@@ -43,11 +43,14 @@ def to_conninfo(url: str) -> str:
             )
         url = "postgresql://" + rest
     try:
-        conninfo_to_dict(url)
+        params = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         raise ConfigurationError(
             f"invalid broker URL {mask_password(url)!r}: {mask_password(str(exc))}"
         ) from None
+    for port in str(params.get("port") or "").split(","):
+        if port and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigurationError(f"invalid port {port!r} in broker URL {mask_password(url)!r}")
     return url
 
 

@@ -67,9 +67,25 @@ def translate(exc: Exception, schema: str) -> LonnyMQError:
         return SchemaNotInstalled(schema, str(exc).splitlines()[0])
     if isinstance(exc, _ARGUMENT_ERRORS):
         return InvalidArgument(f"rejected by Postgres: {str(exc).splitlines()[0]}")
-    if isinstance(exc, psycopg.OperationalError):
+    if _connection_lost(exc):
         return ConnectionLost(f"connection to Postgres failed: {exc}")
     return DatabaseError(f"{type(exc).__name__}: {exc}")
+
+
+_CONNECTION_ERRORS = (
+    pgerrors.ConnectionException,  # class 08
+    pgerrors.AdminShutdown,  # pg_terminate_backend, server shutting down
+    pgerrors.CrashShutdown,
+    pgerrors.CannotConnectNow,
+)
+
+
+def _connection_lost(exc: Exception) -> bool:
+    """A lost or unusable connection (retry on a new one), as opposed to an error of the
+    statement (a deadlock, a serialization failure, a cancelled query: DatabaseError)."""
+    if isinstance(exc, _CONNECTION_ERRORS):
+        return True
+    return isinstance(exc, psycopg.OperationalError) and getattr(exc, "sqlstate", None) is None
 
 
 def run(conn: psycopg.Connection[Any], op: Op[T]) -> T:

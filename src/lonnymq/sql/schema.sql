@@ -458,6 +458,7 @@ BEGIN
         -- create, an ack or another dequeue in flight): wait for it instead of reporting an
         -- empty queue, which would send the consumer to sleep with work waiting.
         v_try := v_try + 1;
+        v_now := clock_timestamp();  -- due now, not when the call started
         SELECT w.id INTO v_wait_id FROM unnest(v_queue_ids) AS qid
         CROSS JOIN LATERAL (
             SELECT c.id, c.waiting_since FROM {schema}.channel c
@@ -468,7 +469,20 @@ BEGIN
         ORDER BY w.waiting_since, w.id
         LIMIT 1;
         EXIT WHEN v_wait_id IS NULL;
-        PERFORM 1 FROM {schema}.channel c WHERE c.id = v_wait_id FOR UPDATE;
+        -- Wait for the channel's row; keep the lock only if the channel is still due (the
+        -- next pass serves it), else release it by rolling the block back: a dequeue must
+        -- never hold one channel while it waits for another (that could deadlock).
+        BEGIN
+            PERFORM 1 FROM {schema}.channel c WHERE c.id = v_wait_id FOR UPDATE;
+            PERFORM 1 FROM {schema}.channel c
+            WHERE c.id = v_wait_id AND c.waiting_since <= clock_timestamp();
+            IF NOT FOUND THEN
+                RAISE SQLSTATE 'LM002';
+            END IF;
+        EXCEPTION WHEN SQLSTATE 'LM002' THEN
+            NULL;
+        END;
+        v_now := clock_timestamp();
         v_wait_id := NULL;
     END LOOP;
 

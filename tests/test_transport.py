@@ -1,0 +1,412 @@
+"""The Kombu transport in one process: URL, options, routing, delivery semantics."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kombu
+import kombu.exceptions
+import psycopg
+import pytest
+from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
+
+import lonnymq
+from lonnymq.transport import Transport
+
+Conn = psycopg.Connection[Any]
+
+
+def url_of(dsn: str) -> str:
+    return "lonnymq://" + dsn.split("://", 1)[1]
+
+
+@pytest.fixture
+def make_connection(pg_dsn: str, schema: str) -> Iterator[Callable[..., Connection]]:
+    opened: list[Connection] = []
+
+    def make(**options: Any) -> Connection:
+        options.setdefault("schema", schema)
+        options.setdefault("visibility_timeout", 30)
+        connection = Connection(url_of(pg_dsn), transport_options=options)
+        opened.append(connection)
+        return connection
+
+    yield make
+    for connection in opened:
+        connection.release()
+
+
+@pytest.fixture
+def connection(make_connection: Callable[..., Connection]) -> Connection:
+    return make_connection()
+
+
+def drain(connection: Connection, until: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, "timed out waiting for messages"
+        with contextlib.suppress(TimeoutError):
+            connection.drain_events(timeout=0.5)
+
+
+def test_alias_url_and_class_path(pg_dsn: str, schema: str) -> None:
+    url = url_of(pg_dsn)
+    with Connection(url, transport_options={"schema": schema}) as c:
+        assert isinstance(c.transport, Transport)
+        c.connect()
+    with Connection(url, transport=lonnymq.TRANSPORT, transport_options={"schema": schema}) as c:
+        assert isinstance(c.transport, Transport)
+
+
+def test_as_uri_masks_password() -> None:
+    c = Connection("lonnymq://alice:s3cr3t@db.example:5432/app?sslmode=require")
+    assert c.as_uri() == "lonnymq://alice:**@db.example:5432/app?sslmode=require"
+    assert "s3cr3t" in c.as_uri(include_password=True)
+    assert "s3cr3t" not in repr(c)
+
+
+def test_libpq_parameters_pass_through(pg_dsn: str, schema: str) -> None:
+    url = url_of(pg_dsn) + "?application_name=from-url&connect_timeout=5"
+    with Connection(url, transport_options={"schema": schema}) as c:
+        c.connect()
+        pg = c.transport.pg.connection()
+        assert pg.info.get_parameters()["connect_timeout"] == "5"
+
+
+def test_separate_fields(pg_dsn: str, schema: str) -> None:
+    info = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    with Connection(
+        hostname=str(info.get("host", "localhost")),
+        port=int(str(info.get("port", 5432))),
+        userid=str(info.get("user", "postgres")),
+        virtual_host=str(info.get("dbname", "postgres")),
+        transport="lonnymq",
+        transport_options={"schema": schema},
+    ) as c:
+        c.connect()
+        queue = c.SimpleQueue("fields")
+        queue.put({"ok": 1})
+        assert queue.get(timeout=5).payload == {"ok": 1}
+        queue.close()
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"visibility_timout": 5}, "unknown lonnymq transport option"),
+        ({"schema": "Bad-Name"}, "invalid schema name"),
+        ({"visibility_timeout": -1}, "visibility_timeout"),
+        ({"visibility_timeout": "soon"}, "visibility_timeout"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"use_listen": "yes"}, "use_listen"),
+        ({"heartbeat_interval": 10, "visibility_timeout": 5}, "heartbeat_interval"),
+    ],
+)
+def test_bad_options(pg_dsn: str, options: dict[str, Any], match: str) -> None:
+    with pytest.raises(lonnymq.ConfigurationError, match=match):
+        Connection(url_of(pg_dsn), transport_options=options).connect()
+
+
+def test_bad_url() -> None:
+    with pytest.raises(lonnymq.ConfigurationError):
+        Connection("lonnymq://u:p@host:notaport/db").connect()
+
+
+def test_unreachable_server_is_a_connection_error(schema: str) -> None:
+    c = Connection("lonnymq://u:secret@127.0.0.1:1/db", transport_options={"schema": schema})
+    with pytest.raises((kombu.exceptions.OperationalError, *c.connection_errors)) as err:
+        c.ensure_connection(max_retries=1, interval_start=0)
+    assert "secret" not in str(err.value)
+
+
+def test_schema_installed_on_first_use(connection: Connection, conn: Conn, schema: str) -> None:
+    connection.connect()
+    assert lonnymq.Broker(schema).check(conn) == lonnymq.CURRENT_VERSION
+
+
+def test_auto_install_off(make_connection: Callable[..., Connection]) -> None:
+    c = make_connection(auto_install=False)
+    with pytest.raises(lonnymq.SchemaNotInstalled, match="lonnymq migrate"):
+        c.connect()
+
+
+def test_direct_topic_fanout_routing(connection: Connection) -> None:
+    direct = Exchange("d", type="direct")
+    topic = Exchange("t", type="topic")
+    fanout = Exchange("f", type="fanout")
+    queues = [
+        Queue("d1", direct, routing_key="one"),
+        Queue("d2", direct, routing_key="two"),
+        Queue("t_all", topic, routing_key="stock.#"),
+        Queue("t_usd", topic, routing_key="stock.*.usd"),
+        Queue("f1", fanout),
+        Queue("f2", fanout),
+    ]
+    got: dict[str, list[Any]] = {q.name: [] for q in queues}
+
+    def collect(queue: str) -> Callable[[Any, Any], None]:
+        def on_message(body: Any, message: Any) -> None:
+            got[queue].append(body)
+            message.ack()
+
+        return on_message
+
+    with connection.Producer() as producer:
+        for q in queues:
+            q(connection.default_channel).declare()
+        producer.publish("to-one", exchange=direct, routing_key="one")
+        producer.publish("to-two", exchange=direct, routing_key="two")
+        producer.publish("nobody", exchange=direct, routing_key="three")
+        producer.publish("eur", exchange=topic, routing_key="stock.nyse.eur")
+        producer.publish("usd", exchange=topic, routing_key="stock.nyse.usd")
+        producer.publish("deep", exchange=topic, routing_key="stock.a.b.c")
+        producer.publish("bond", exchange=topic, routing_key="bond.x.usd")
+        producer.publish("all", exchange=fanout, routing_key="")
+    consumers = [connection.Consumer(q, callbacks=[collect(q.name)]) for q in queues]
+    for c in consumers:
+        c.consume()
+    drain(connection, lambda: sum(len(v) for v in got.values()) >= 8)
+    assert got["d1"] == ["to-one"] and got["d2"] == ["to-two"]
+    assert sorted(got["t_all"]) == ["deep", "eur", "usd"]
+    assert got["t_usd"] == ["usd"]
+    assert got["f1"] == ["all"] and got["f2"] == ["all"]
+
+
+def test_bindings_persist_across_connections(
+    make_connection: Callable[..., Connection],
+) -> None:
+    exchange = Exchange("shared", type="topic")
+    first = make_connection()
+    Queue("sq", exchange, routing_key="a.*")(first.default_channel).declare()
+    first.release()
+    second = make_connection()  # another connection: no in-memory state shared
+    with second.Producer() as producer:
+        producer.publish({"n": 1}, exchange=exchange, routing_key="a.b")
+    simple = second.SimpleQueue(Queue("sq", exchange, routing_key="a.*"))
+    assert simple.get(timeout=5).payload == {"n": 1}
+    channel = second.default_channel
+    assert ("a.*", "^a\\.[^\\.]+$", "sq") in channel.get_table("shared")
+    simple.close()
+
+
+def test_ack_reject_requeue(connection: Connection, conn: Conn, schema: str) -> None:
+    queue = connection.SimpleQueue("acks")
+    for i in range(3):
+        queue.put(i)
+    first = queue.get(timeout=5)
+    first.reject(requeue=True)  # unlocks the same row: redelivered, not copied
+    stats = lonnymq.Broker(schema).queue("acks").stats(conn)
+    assert stats.total == 3
+    seen = []
+    for _ in range(3):
+        message = queue.get(timeout=5)
+        seen.append((message.payload, message.delivery_info["redelivered"]))
+        message.ack()
+    assert sorted(seen) == [(0, True), (1, False), (2, False)]
+    queue.put("dropped")
+    queue.get(timeout=5).reject(requeue=False)
+    assert lonnymq.Broker(schema).queue("acks").stats(conn).total == 0
+    with pytest.raises(queue.Empty):
+        queue.get(timeout=0.3)
+    queue.close()
+
+
+def test_late_ack_after_redelivery_is_harmless(
+    make_connection: Callable[..., Connection], caplog: pytest.LogCaptureFixture
+) -> None:
+    a = make_connection(visibility_timeout=0.2, heartbeat_interval=0.1)
+    b = make_connection(visibility_timeout=30)
+    qa, qb = a.SimpleQueue("late"), b.SimpleQueue("late")
+    qa.put("x")
+    held = qa.get(timeout=5)
+    a.transport._heartbeat.stopped.set()  # as if a were frozen: its lock expires
+    time.sleep(0.4)
+    again = qb.get(timeout=5)
+    assert again.delivery_info["redelivered"]
+    held.ack()  # stale token: logged, does not delete b's delivery
+    assert "ack of message" in caplog.text
+    again.ack()
+    qa.close()
+    qb.close()
+
+
+def test_prefetch_limits_deliveries(connection: Connection) -> None:
+    queue = Queue("prefetch")
+    producer = connection.Producer()
+    for i in range(20):
+        producer.publish(i, routing_key="prefetch", declare=[queue])
+    received: list[Any] = []
+    consumer = connection.Consumer(queue, callbacks=[lambda body, m: received.append(m)])
+    consumer.qos(prefetch_count=5)
+    consumer.consume()
+    for _ in range(5):
+        with contextlib.suppress(TimeoutError):
+            connection.drain_events(timeout=0.3)
+    assert len(received) == 5  # the window is full: nothing more until acks
+    for message in received[:3]:
+        message.ack()
+    drain(connection, lambda: len(received) >= 8)
+    assert len(received) == 8
+    consumer.cancel()
+
+
+def test_priority_order(connection: Connection) -> None:
+    queue = Queue("prio")
+    producer = connection.Producer()
+    for priority in [1, 5, 9, 0, 7]:
+        producer.publish(priority, routing_key="prio", priority=priority, declare=[queue])
+    simple = connection.SimpleQueue(queue)
+    order = []
+    for _ in range(5):
+        message = simple.get(timeout=5)
+        order.append(message.payload)
+        message.ack()
+    assert order == [9, 7, 5, 1, 0]
+    simple.close()
+
+
+def test_delay_headers(connection: Connection) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    simple = connection.SimpleQueue("delays")
+    eta = (datetime.now(timezone.utc) + timedelta(milliseconds=700)).isoformat()
+    simple.put("eta", headers={"eta": eta})
+    simple.put("delay", headers={"x-delay-ms": 400})
+    simple.put("now")
+    first = simple.get(timeout=5)
+    assert first.payload == "now"
+    first.ack()
+    start = time.monotonic()
+    second = simple.get(timeout=5)
+    assert second.payload == "delay" and time.monotonic() - start > 0.2
+    second.ack()
+    third = simple.get(timeout=5)
+    assert third.payload == "eta"
+    third.ack()
+    simple.close()
+
+
+def test_dedup_header(connection: Connection, conn: Conn, schema: str) -> None:
+    simple = connection.SimpleQueue("dedup")
+    for _ in range(3):
+        simple.put("job", headers={"x-dedup-name": "job-1"})
+    assert lonnymq.Broker(schema).queue("dedup").stats(conn).total == 1
+    simple.get(timeout=5).ack()
+    simple.close()
+
+
+def test_channel_header_and_fairness(connection: Connection) -> None:
+    simple = connection.SimpleQueue("tenants")
+    for i in range(50):
+        simple.put(f"big-{i}", headers={"x-channel": "big"})
+    for i in range(3):
+        simple.put(f"small-{i}", headers={"x-channel": "small"})
+    first = []
+    for _ in range(6):
+        message = simple.get(timeout=5)
+        first.append(message.payload)
+        message.ack()
+    assert sum(p.startswith("small") for p in first) == 3
+    simple.close()
+
+
+def test_full_channel_raises_at_publish(connection: Connection, conn: Conn, schema: str) -> None:
+    simple = connection.SimpleQueue("bounded")
+    lonnymq.Broker(schema).queue("bounded").channel("t").policy.set(conn, max_size=1)
+    simple.put(1, headers={"x-channel": "t"})
+    with pytest.raises(lonnymq.ChannelFull):
+        simple.put(2, headers={"x-channel": "t"})
+    simple.close()
+
+
+def test_purge_size_delete(connection: Connection) -> None:
+    channel = connection.default_channel
+    channel.queue_declare("admin")
+    producer = connection.Producer()
+    for i in range(4):
+        producer.publish(i, routing_key="admin")
+    assert channel.queue_declare("admin", passive=True).message_count == 4
+    assert channel.queue_purge("admin") == 4
+    assert channel.queue_declare("admin", passive=True).message_count == 0
+    channel.queue_delete("admin")
+    with pytest.raises(connection.channel_errors):
+        channel.queue_declare("never-declared", passive=True)
+
+
+def test_no_ack_consumer_deletes_on_delivery(
+    connection: Connection, conn: Conn, schema: str
+) -> None:
+    queue = Queue("noack", no_ack=True)
+    producer = connection.Producer()
+    producer.publish("x", routing_key="noack", declare=[queue])
+    received: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda b, m: received.append(b)], no_ack=True):
+        drain(connection, lambda: len(received) == 1)
+    assert lonnymq.Broker(schema).queue("noack").stats(conn).total == 0
+
+
+def test_restore_unacked_on_close(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    c = make_connection()
+    queue = Queue("restore")
+    c.Producer().publish("x", routing_key="restore", declare=[queue])
+    received: list[Any] = []
+    consumer = c.Consumer(queue, callbacks=[lambda b, m: received.append(m)])
+    consumer.consume()
+    drain(c, lambda: len(received) == 1)
+    c.release()  # closes channels: unacked messages are unlocked, not copied
+    stats = lonnymq.Broker(schema).queue("restore").stats(conn)
+    assert (stats.total, stats.in_flight) == (1, 0)
+
+
+def _recorder(received: list[float]) -> Callable[[Any, Any], None]:
+    def on_message(body: Any, message: Any) -> None:
+        received.append(time.monotonic())
+        message.ack()
+
+    return on_message
+
+
+def test_idle_consumer_wakes_on_notify(
+    make_connection: Callable[..., Connection],
+) -> None:
+    consumer_conn = make_connection(polling_interval=30)
+    producer_conn = make_connection()
+    queue = Queue("wake")
+    queue(consumer_conn.default_channel).declare()
+    received: list[float] = []
+    with consumer_conn.Consumer(queue, callbacks=[_recorder(received)]):
+        with contextlib.suppress(TimeoutError):
+            consumer_conn.drain_events(timeout=0.2)  # idle, LISTEN set up
+
+        sent: list[float] = []
+
+        def publish() -> None:
+            time.sleep(0.3)
+            sent.append(time.monotonic())
+            producer_conn.Producer().publish("hi", routing_key="wake")
+
+        thread = threading.Thread(target=publish)
+        thread.start()
+        consumer_conn.drain_events(timeout=5)
+        thread.join()
+    assert received and received[0] - sent[0] < 0.5
+
+
+def test_wakes_for_delayed_message_without_notify(
+    make_connection: Callable[..., Connection],
+) -> None:
+    c = make_connection(polling_interval=30)
+    queue = Queue("timer")
+    c.Producer().publish("later", routing_key="timer", declare=[queue], headers={"x-delay-ms": 500})
+    received: list[float] = []
+    start = time.monotonic()
+    with c.Consumer(queue, callbacks=[_recorder(received)]):
+        c.drain_events(timeout=5)
+    assert 0.45 < received[0] - start < 2.0
