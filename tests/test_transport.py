@@ -410,3 +410,47 @@ def test_wakes_for_delayed_message_without_notify(
     with c.Consumer(queue, callbacks=[_recorder(received)]):
         c.drain_events(timeout=5)
     assert 0.45 < received[0] - start < 2.0
+
+
+def test_celery_cli_knows_the_url_without_an_app(pg_dsn: str, conn: Conn) -> None:
+    """The celery.commands entry point imports lonnymq, so `celery -b lonnymq://...` works
+    without -A: with no worker running, inspect reaches the broker and finds no node. (Run in
+    a database of its own: without an app there is no way to name a schema.)"""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import uuid
+
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    dbname = f"lmq_cli_{uuid.uuid4().hex[:10]}"
+    conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
+    try:
+        params = conninfo_to_dict(pg_dsn) | {"dbname": dbname}
+        dsn = make_conninfo("", **params)
+        url = "lonnymq://{user}@{host}:{port}/{dbname}".format(
+            user=params.get("user", "postgres"),
+            host=params.get("host", "localhost"),
+            port=params.get("port", 5432),
+            dbname=dbname,
+        )
+        celery = shutil.which("celery", path=os.path.dirname(sys.executable)) or "celery"
+        out = subprocess.run(
+            [celery, "-b", url, "inspect", "ping", "--timeout", "0.5"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert "No nodes replied" in out.stdout + out.stderr, out.stderr
+        assert out.returncode == 69
+        help_out = subprocess.run(
+            [celery, "lonnymq", "stats", "--dsn", dsn], capture_output=True, text=True, timeout=60
+        )
+        assert help_out.returncode == 0, help_out.stderr
+        assert "in_flight" in help_out.stdout
+    finally:
+        conn.execute(
+            sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(dbname))
+        )

@@ -330,7 +330,11 @@ class Channel(virtual.Channel):
                 routed.dropped[0], str(headers.get("x-channel") or routing_key or routed.dropped[0])
             )
         if not routed.queues:
-            logger.warning(
+            # as on RabbitMQ, unroutable messages are dropped; a broadcast nobody listens to
+            # (Celery's pidbox, events) is normal, anything else deserves a warning
+            fanout = self.connection.exchange_types.get(exchange) == "fanout"
+            logger.log(
+                logging.DEBUG if fanout else logging.WARNING,
                 "lonnymq: message to exchange %r with routing key %r matched no queue and "
                 "was dropped (declare and bind the queue first)",
                 exchange,
