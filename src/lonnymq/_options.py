@@ -11,16 +11,22 @@ from . import migrator
 from .exceptions import ConfigurationError
 from .queue._checks import DEFAULT_MAX_MESSAGE_BYTES
 
-# Options kombu itself (or other transports' users) pass that we accept and leave to kombu.
+# Options kombu itself reads, or writes into transport_options (Producer.publish with
+# retry=True merges its retry_policy, the keywords of Connection.ensure, into them): accepted
+# and left to kombu.
 KOMBU_OPTIONS = frozenset(
     {
         "body_encoding",
         "deadletter_queue",
+        "client_properties",
         "max_retries",
         "interval_start",
         "interval_step",
         "interval_max",
-        "client_properties",
+        "connect_retries_timeout",
+        "errback",
+        "on_revive",
+        "retry_errors",
     }
 )
 

@@ -177,10 +177,15 @@ class Waiter(_Forkable):
         seconds. Returns True when woken by a notification."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._lock:
+            fresh = self._conn is None or self._conn.closed or self._conn.broken
             conn = self._connection()
             if conn is None:
                 time.sleep(max(0.0, min(timeout, 1.0)))
                 return False
+            if fresh:
+                # A NOTIFY sent before this LISTEN took effect is lost: have the caller look
+                # again now that nothing can be missed.
+                return True
             try:
                 while True:
                     left = deadline - time.monotonic()
