@@ -451,6 +451,25 @@ def test_celery_cli_knows_the_url_without_an_app(pg_dsn: str, conn: Conn) -> Non
         assert help_out.returncode == 0, help_out.stderr
         assert "in_flight" in help_out.stdout
     finally:
-        conn.execute(
-            sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(dbname))
-        )
+        conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(dbname)))
+
+
+def test_polling_without_listen(
+    make_connection: Callable[..., Connection], caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lonnymq.transport")
+    consumer_conn = make_connection(use_listen=False, polling_interval=0.2)
+    queue = Queue("polled")
+    queue(consumer_conn.default_channel).declare()
+    received: list[float] = []
+    with consumer_conn.Consumer(queue, callbacks=[_recorder(received)]):
+        with contextlib.suppress(TimeoutError):
+            consumer_conn.drain_events(timeout=0.3)
+        make_connection().Producer().publish("x", routing_key="polled")
+        sent = time.monotonic()
+        consumer_conn.drain_events(timeout=5)
+    assert received and received[0] - sent < 1.0
+    assert "use_listen is off" in caplog.text
+    assert consumer_conn.transport._waiter is None  # no LISTEN connection was opened

@@ -482,6 +482,7 @@ class Transport(virtual.Transport):
         self.exchange_types: dict[str, str] = {}
         self._waiter: Waiter | None = None
         self._heartbeat: Heartbeat | None = None
+        self._said_polling = False
 
     @classmethod
     def as_uri(cls, uri: str, include_password: bool = False, mask: str = "**") -> str:
@@ -514,6 +515,12 @@ class Transport(virtual.Transport):
 
     def _wait(self, seconds: float, queues: set[str]) -> None:
         if not self.options.use_listen:
+            if not self._said_polling:
+                self._said_polling = True
+                logger.info(
+                    "lonnymq: use_listen is off: idle consumers poll every %s s",
+                    self.options.polling_interval,
+                )
             time.sleep(seconds)
             return
         if self._waiter is None:
