@@ -195,11 +195,11 @@ def test_ttl_expiry(broker: lonnymq.Broker, conn: Conn) -> None:
     q.channel("a").message.create(conn, b"short", ttl_ms=100)
     q.channel("a").message.create(conn, b"long", ttl_ms=60_000)
     q.channel("b").message.create(conn, b"forever")
-    q.channel("d").message.create(conn, b"delayed", delay_ms=300, ttl_ms=100)
+    q.channel("d").message.create(conn, b"delayed", delay_ms=300, ttl_ms=200)
     time.sleep(0.15)
     assert broker.expire(conn) == (1, 0)  # "short"; the held one stays with its holder
     assert sorted(m.content for m in q.dequeue(conn, limit=10).messages) == [b"forever", b"long"]
-    time.sleep(0.3)  # "delayed" is due, and its TTL counts from then
+    time.sleep(0.2)  # "delayed" is due; its TTL counts from then, not from its creation
     assert [m.content for m in q.dequeue(conn, limit=10).messages] == [b"delayed"]
     assert held[0].delete(conn) is Outcome.OK
     stats = q.stats(conn)

@@ -473,3 +473,62 @@ def test_polling_without_listen(
     assert received and received[0] - sent < 1.0
     assert "use_listen is off" in caplog.text
     assert consumer_conn.transport._waiter is None  # no LISTEN connection was opened
+
+
+def test_message_expiration_and_queue_ttl(connection: Connection, conn: Conn, schema: str) -> None:
+    """An expired message is never delivered (dropped at dequeue even before a sweep)."""
+    simple = connection.SimpleQueue("ttl")
+    simple.producer.publish("short", routing_key="ttl", expiration=0.1)
+    simple.put("kept")
+    time.sleep(0.2)
+    message = simple.get(timeout=5)
+    assert message.payload == "kept"
+    message.ack()
+    with pytest.raises(simple.Empty):
+        simple.get(timeout=0.3)
+    assert lonnymq.Broker(schema).queue("ttl").stats(conn).total == 0
+    channel = connection.default_channel
+    channel.queue_declare("ttl_queue", arguments={"x-message-ttl": 100})
+    connection.Producer().publish("old", routing_key="ttl_queue")
+    time.sleep(0.2)
+    assert channel.basic_get("ttl_queue") is None
+    simple.close()
+
+
+def test_pickle_and_headers_round_trip(connection: Connection) -> None:
+    queue = Queue("roundtrip", routing_key="roundtrip")
+    seen: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        seen.append(
+            (
+                body,
+                message.content_type,
+                message.headers.get("k1"),
+                message.delivery_info["routing_key"],
+                message.delivery_info["exchange"],
+            )
+        )
+        message.ack()
+
+    producer = connection.Producer()
+    producer.publish(
+        {"hello": b"bytes"},
+        routing_key="roundtrip",
+        declare=[queue],
+        serializer="pickle",
+        headers={"k1": "v1"},
+        retry=True,
+    )
+    with connection.Consumer(queue, callbacks=[on_message], accept=["pickle"]):
+        connection.drain_events(timeout=5)
+    assert seen == [({"hello": b"bytes"}, "application/x-python-serialize", "v1", "roundtrip", "")]
+
+
+def test_simple_buffer_is_no_ack(connection: Connection, conn: Conn, schema: str) -> None:
+    buffer = connection.SimpleBuffer("buffer")
+    buffer.put({"Hello": "World"}, headers={"k1": "v1"})
+    message = buffer.get(timeout=5)
+    assert (message.payload, message.headers) == ({"Hello": "World"}, {"k1": "v1"})
+    assert lonnymq.Broker(schema).queue("buffer").stats(conn).total == 0
+    buffer.close()

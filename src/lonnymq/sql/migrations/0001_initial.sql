@@ -391,6 +391,8 @@ DECLARE
     v_channels {schema}.channel[];
     v_taken integer[];
     v_done boolean[];
+    v_dropped integer[];
+    v_expired bigint[];
     v_new {schema}.channel;
     v_batch bigint[];
     v_ids bigint[] := ARRAY[]::bigint[];
@@ -491,6 +493,7 @@ BEGIN
         --    a channel that filled its share stays open for the next pass.
         v_taken := array_fill(0, ARRAY[cardinality(v_channels)]);
         v_done := array_fill(false, ARRAY[cardinality(v_channels)]);
+        v_dropped := array_fill(0, ARRAY[cardinality(v_channels)]);
         v_open := cardinality(v_channels);
         WHILE v_left > 0 AND v_open > 0 LOOP
             v_quota := ceil(v_left::numeric / v_open)::integer;
@@ -506,6 +509,20 @@ BEGIN
                 SELECT array_agg(x.id ORDER BY x.rn) INTO v_batch
                 FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
                     WITH ORDINALITY AS x(id, rn);
+                -- messages past their time to live are dropped, not delivered
+                WITH gone AS (
+                    DELETE FROM {schema}.message m
+                    WHERE m.id = ANY (v_batch) AND m.expires_at <= v_now
+                    RETURNING m.id
+                )
+                SELECT array_agg(gone.id) INTO v_expired FROM gone;
+                IF v_expired IS NOT NULL THEN
+                    v_dropped[i] := v_dropped[i] + cardinality(v_expired);
+                    SELECT array_agg(u.id ORDER BY u.ord) INTO v_batch
+                    FROM unnest(v_batch) WITH ORDINALITY AS u(id, ord)
+                    WHERE u.id <> ALL (v_expired);
+                    v_done[i] := true;  -- look again on the next call
+                END IF;
                 -- by primary key, from the array (never a join the planner could hash)
                 UPDATE {schema}.message m SET
                     locked_until = v_now + v_lock,
@@ -513,7 +530,7 @@ BEGIN
                     attempts = m.attempts + 1
                 WHERE m.id = ANY (v_batch);
                 v_n := coalesce(cardinality(v_batch), 0);
-                IF v_n < v_cap THEN
+                IF v_n < v_cap AND v_expired IS NULL THEN
                     v_done[i] := true;  -- nothing more due in this channel
                 END IF;
                 CONTINUE WHEN v_n = 0;
@@ -541,6 +558,7 @@ BEGIN
         FOR i IN 1 .. cardinality(v_channels) LOOP
             v_new := v_channels[i];
             v_new.current_concurrency := v_new.current_concurrency + v_taken[i];
+            v_new.current_size := v_new.current_size - v_dropped[i];
             IF v_taken[i] > 0 THEN
                 v_new.served_at := clock_timestamp();
             END IF;
