@@ -380,7 +380,9 @@ RETURNS TABLE (
     message_state bytea,
     retry_ms bigint
 )
-LANGUAGE plpgsql AS $$
+-- Generic plans: re-planning a dozen statements on every call (custom plans) cost more than
+-- executing them; tests/test_plans.py checks the generic plans use the indexes.
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_lock interval := p_lock_ms * interval '1 millisecond';
@@ -607,7 +609,7 @@ $$;
 -- Delete (acknowledge) a held message. result_code: 'ok', 'state_invalid' (the message is
 -- held under another lock token, or not held) or 'not_found'.
 CREATE FUNCTION {schema}.message_delete_v1(p_id bigint, p_lock_token uuid, OUT result_code text)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_channel_id bigint;
 BEGIN
@@ -631,7 +633,7 @@ CREATE FUNCTION {schema}.message_defer_v1(
     p_id bigint, p_lock_token uuid, p_delay_ms bigint, p_set_state boolean, p_state bytea,
     OUT result_code text
 )
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_channel_id bigint;
     v_at timestamptz;
