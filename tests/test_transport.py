@@ -532,3 +532,43 @@ def test_simple_buffer_is_no_ack(connection: Connection, conn: Conn, schema: str
     assert (message.payload, message.headers) == ({"Hello": "World"}, {"k1": "v1"})
     assert lonnymq.Broker(schema).queue("buffer").stats(conn).total == 0
     buffer.close()
+
+
+def test_full_channel_is_not_retried_forever(
+    connection: Connection, conn: Conn, schema: str
+) -> None:
+    connection.connect()  # installs the schema
+    lonnymq.Broker(schema).queue("capped").channel("t").policy.set(conn, max_size=0)
+    producer = connection.Producer()
+    start = time.monotonic()
+    with pytest.raises(lonnymq.ChannelFull):
+        producer.publish(
+            "x",
+            routing_key="capped",
+            declare=[Queue("capped")],
+            headers={"x-channel": "t"},
+            retry=True,
+            retry_policy={"max_retries": 100, "interval_start": 1},
+        )
+    assert time.monotonic() - start < 5
+    assert not issubclass(lonnymq.ChannelFull, connection.recoverable_channel_errors)
+
+
+def test_several_hosts_in_the_url(pg_dsn: str, schema: str) -> None:
+    from psycopg.conninfo import conninfo_to_dict
+
+    params = conninfo_to_dict(pg_dsn)
+    host, port = params.get("host", "localhost"), params.get("port", 5432)
+    if str(host).startswith("/"):
+        pytest.skip("the test server listens on a unix socket only")
+    url = (
+        f"lonnymq://{params.get('user', 'postgres')}@127.0.0.1:1,{host}:{port}/"
+        f"{params.get('dbname', 'postgres')}?connect_timeout=2"
+    )
+    with Connection(url, transport_options={"schema": schema}) as c:
+        simple = c.SimpleQueue("multi")
+        simple.put("via the second host")
+        message = simple.get(timeout=5)
+        assert message.payload == "via the second host"
+        message.ack()
+        simple.close()
