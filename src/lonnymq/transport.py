@@ -330,11 +330,12 @@ class Channel(virtual.Channel):
                 routed.dropped[0], str(headers.get("x-channel") or routing_key or routed.dropped[0])
             )
         if not routed.queues:
-            # as on RabbitMQ, unroutable messages are dropped; a broadcast nobody listens to
-            # (Celery's pidbox, events) is normal, anything else deserves a warning
-            fanout = self.connection.exchange_types.get(exchange) == "fanout"
+            # as on RabbitMQ, unroutable messages are dropped. Broadcasts nobody listens to
+            # (Celery's pidbox on a fanout exchange, its events on a topic exchange) are
+            # normal; a direct exchange with no matching queue is usually a mistake.
+            direct = self._exchange_type(exchange) == "direct"
             logger.log(
-                logging.DEBUG if fanout else logging.WARNING,
+                logging.WARNING if direct else logging.DEBUG,
                 "lonnymq: message to exchange %r with routing key %r matched no queue and "
                 "was dropped (declare and bind the queue first)",
                 exchange,
