@@ -572,3 +572,29 @@ def test_several_hosts_in_the_url(pg_dsn: str, schema: str) -> None:
         assert message.payload == "via the second host"
         message.ack()
         simple.close()
+
+
+def test_fork_safety(connection: Connection, conn: Conn, schema: str) -> None:
+    """A forked child (Celery prefork) publishing through the parent's kombu connection opens
+    its own Postgres connection and leaves the parent's untouched."""
+    import os
+
+    simple = connection.SimpleQueue("forked")
+    simple.put("parent-1")
+    parent_pg = connection.transport.pg.connection()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            simple.put("child")
+            assert connection.transport.pg.connection() is not parent_pg
+        except BaseException:
+            code = 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    simple.put("parent-2")  # the parent's connection still works
+    assert connection.transport.pg.connection() is parent_pg
+    got = sorted(simple.get(timeout=5).payload for _ in range(3))
+    assert got == ["child", "parent-1", "parent-2"]
+    simple.close()
