@@ -472,7 +472,7 @@ def test_polling_without_listen(
         consumer_conn.drain_events(timeout=5)
     assert received and received[0] - sent < 1.0
     assert "use_listen is off" in caplog.text
-    assert consumer_conn.transport._waiter is None  # no LISTEN connection was opened
+    assert consumer_conn.transport._waiter._conn is None  # no LISTEN connection was opened
 
 
 def test_message_expiration_and_queue_ttl(connection: Connection, conn: Conn, schema: str) -> None:
@@ -598,3 +598,33 @@ def test_fork_safety(connection: Connection, conn: Conn, schema: str) -> None:
     got = sorted(simple.get(timeout=5).payload for _ in range(3))
     assert got == ["child", "parent-1", "parent-2"]
     simple.close()
+
+
+def test_acks_from_other_threads(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """Celery's pools ack from other threads while the consumer keeps draining; an ack that
+    frees room in a full prefetch window wakes the consumer at once (not at the next poll)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    connection = make_connection(polling_interval=30)
+    start = time.monotonic()
+
+    queue = Queue("threaded")
+    producer = connection.Producer()
+    for i in range(60):
+        producer.publish(i, routing_key="threaded", declare=[queue])
+    received: list[Any] = []
+    with ThreadPoolExecutor(4) as pool:
+
+        def on_message(body: Any, message: Any) -> None:
+            received.append(body)
+            pool.submit(message.ack)
+
+        with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+            consumer.qos(prefetch_count=10)
+            drain(connection, lambda: len(received) == 60)
+    assert sorted(received) == list(range(60))
+    assert time.monotonic() - start < 10  # six windows of 10, no 30-second poll in between
+    stats = lonnymq.Broker(schema).queue("threaded").stats(conn)
+    assert (stats.total, stats.in_flight) == (0, 0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import threading
 import time
 import weakref
@@ -146,16 +147,43 @@ class PgClient(_Forkable):
 
 
 class Waiter(_Forkable):
-    """LISTEN for wake-ups on a connection of its own."""
+    """Where an idle consumer blocks: on LISTEN (a connection of its own, so acks never wait
+    behind it) and on a self-pipe that :meth:`wake` writes to, so that another thread (an ack
+    freeing a full prefetch window) can end the wait at once."""
 
-    def __init__(self, conninfo: str, channel: str, connect_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        conninfo: str,
+        channel: str,
+        connect_timeout: float | None = None,
+        *,
+        listen: bool = True,
+    ) -> None:
         self.conninfo = conninfo
         self.channel = channel
         self.connect_timeout = connect_timeout
+        self.listen = listen
         self._conn = None
         self._lock = threading.RLock()
         self._failed_at = 0.0
+        self._pipe = self._new_pipe()
         _LIVE.add(self)
+
+    @staticmethod
+    def _new_pipe() -> tuple[int, int]:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        return r, w
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._pipe = self._new_pipe()  # the parent's pipe stays the parent's
+
+    def wake(self) -> None:
+        """End a wait in progress (or the next one) now. Safe from any thread."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._pipe[1], b"!")
 
     def _connection(self) -> psycopg.Connection[Any] | None:
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
@@ -173,44 +201,56 @@ class Waiter(_Forkable):
         return conn
 
     def wait(self, timeout: float, queues: Collection[str] | None = None) -> bool:
-        """Block until a wake-up for one of ``queues`` (any queue if None) or ``timeout``
-        seconds. Returns True when woken by a notification."""
+        """Block until a wake-up for one of ``queues`` (any queue if None), a :meth:`wake`,
+        or ``timeout`` seconds. Returns True when woken before the timeout."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._lock:
-            fresh = self._conn is None or self._conn.closed or self._conn.broken
-            conn = self._connection()
-            if conn is None:
-                time.sleep(max(0.0, min(timeout, 1.0)))
-                return False
-            if fresh:
-                # A NOTIFY sent before this LISTEN took effect is lost: have the caller look
-                # again now that nothing can be missed.
-                return True
+            conn = None
+            if self.listen:
+                fresh = self._conn is None or self._conn.closed or self._conn.broken
+                conn = self._connection()
+                if conn is not None and fresh:
+                    # A NOTIFY sent before this LISTEN took effect is lost: have the caller
+                    # look again now that nothing can be missed.
+                    return True
+            pipe = self._pipe[0]
             try:
                 while True:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
-                    woken = False
-                    for note in conn.notifies(timeout=left, stop_after=1):
-                        woken = woken or queues is None or note.payload in queues
-                    # outside the generator: it holds the connection's lock while it runs
-                    if woken:
-                        self._drain(conn)
+                    watched = [pipe] if conn is None else [pipe, conn.fileno()]
+                    ready, _, _ = select.select(
+                        watched, [], [], min(left, 1.0) if conn is None and self.listen else left
+                    )
+                    if pipe in ready:
+                        with contextlib.suppress(BlockingIOError):
+                            while os.read(pipe, 4096):
+                                pass
                         return True
+                    if conn is not None and ready:
+                        woken = False
+                        for note in conn.notifies(timeout=0):
+                            woken = woken or queues is None or note.payload in queues
+                        if woken:
+                            return True
+                    elif conn is None and self.listen and not ready:
+                        return False  # LISTEN down: let the caller poll, then retry LISTEN
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
                 return False
 
-    @staticmethod
-    def _drain(conn: psycopg.Connection[Any]) -> None:
-        """Swallow notifications already received: one dequeue serves them all."""
-        for _ in conn.notifies(timeout=0):
-            pass
-
     def close(self) -> None:
+        """Close the LISTEN connection (the next wait opens a new one)."""
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
+
+    def dispose(self) -> None:
+        """Close everything, the wake-up pipe included."""
+        self.close()
+        for fd in self._pipe:
+            with contextlib.suppress(OSError):
+                os.close(fd)

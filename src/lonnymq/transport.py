@@ -109,17 +109,26 @@ class QoS(virtual.QoS):
         with self._held_lock:
             return self._held.pop(delivery_tag, None)
 
+    def _window_full(self) -> bool:
+        return bool(self.prefetch_count) and not self.can_consume()
+
     def ack(self, delivery_tag: str) -> None:
         ref = self._release(delivery_tag)
         if ref is not None:
             self.channel._finalize(ref, requeue=False, why="ack")
+        full = self._window_full()
         super().ack(delivery_tag)
+        if full:
+            self.channel.connection.wake()  # the consumer may fetch again
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         ref = self._release(delivery_tag)
         if ref is not None:
             self.channel._finalize(ref, requeue=requeue, why="reject")
+        full = self._window_full()
         self._quick_ack(delivery_tag)
+        if full:
+            self.channel.connection.wake()
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Unlock every held message (same rows, no copies), e.g. at shutdown."""
@@ -504,7 +513,7 @@ class Transport(virtual.Transport):
                 self._heartbeat.stopped.set()
                 self._heartbeat = None
             if self._waiter is not None:
-                self._waiter.close()
+                self._waiter.dispose()
                 self._waiter = None
             self.pg.close()
 
@@ -514,21 +523,30 @@ class Transport(virtual.Transport):
             self._heartbeat = Heartbeat(self)
             self._heartbeat.start()
 
-    def _wait(self, seconds: float, queues: set[str]) -> None:
-        if not self.options.use_listen:
-            if not self._said_polling:
-                self._said_polling = True
-                logger.info(
-                    "lonnymq: use_listen is off: idle consumers poll every %s s",
-                    self.options.polling_interval,
-                )
-            time.sleep(seconds)
-            return
+    @property
+    def waiter(self) -> Waiter:
         if self._waiter is None:
             self._waiter = Waiter(
-                self.conninfo, wake_channel(self.options.schema), self.options.connect_timeout
+                self.conninfo,
+                wake_channel(self.options.schema),
+                self.options.connect_timeout,
+                listen=self.options.use_listen,
             )
-        self._waiter.wait(seconds, queues)
+        return self._waiter
+
+    def wake(self) -> None:
+        """End the consumer's wait now (an ack freed room in a full prefetch window)."""
+        if self._waiter is not None:
+            self._waiter.wake()
+
+    def _wait(self, seconds: float, queues: set[str]) -> None:
+        if not self.options.use_listen and not self._said_polling:
+            self._said_polling = True
+            logger.info(
+                "lonnymq: use_listen is off: idle consumers poll every %s s",
+                self.options.polling_interval,
+            )
+        self.waiter.wait(seconds, queues)
 
     def drain_events(self, connection: Any, timeout: float | None = None, **kwargs: Any) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
