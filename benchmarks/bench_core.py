@@ -29,6 +29,7 @@ dequeue can be counted: at most a few per run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -36,12 +37,14 @@ import platform
 import re
 import secrets
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from importlib import resources
 from multiprocessing.context import SpawnContext
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Barrier
@@ -518,6 +521,29 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
     return out
 
 
+def provenance() -> dict[str, Any]:
+    """Which code was measured: the lonnymq schema SQL's digest and the git state, if any."""
+    schema_sql = resources.files("lonnymq.sql").joinpath("schema.sql").read_bytes()
+    info: dict[str, Any] = {"schema_sql_sha256": hashlib.sha256(schema_sql).hexdigest()}
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+    except (OSError, subprocess.CalledProcessError):
+        return info
+    info["git_commit"] = commit
+    info["git_src_changes"] = [line for line in dirty if line]
+    return info
+
+
 # --------------------------------------------------------------------------------------------
 # Report
 
@@ -629,6 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not scenarios:
         print("no scenario selected", file=sys.stderr)
         return 2
+    code = provenance()
     bench = Bench(args)
     started = time.perf_counter()
     entries: list[dict[str, Any]] = []
@@ -652,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "benchmark": "bench_core",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "lonnymq_version": lonnymq.__version__,
+        "code": code,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

@@ -425,11 +425,18 @@ BEGIN
                 lock_token = gen_random_uuid(),
                 attempts = m.attempts + 1
             WHERE m.id = ANY (ARRAY(
-                SELECT e.id FROM {schema}.message e
-                WHERE e.queue_id = ANY (v_queue_ids) AND e.locked_until <= v_now
-                ORDER BY e.locked_until
+                -- each queue read in index order, stopping at p_limit: no sort of every
+                -- expired lock (after a crash there may be thousands)
+                SELECT x.id FROM unnest(v_queue_ids) AS qid
+                CROSS JOIN LATERAL (
+                    SELECT e.id, e.locked_until FROM {schema}.message e
+                    WHERE e.queue_id = qid AND e.locked_until <= v_now
+                    ORDER BY e.locked_until
+                    LIMIT p_limit
+                    FOR UPDATE SKIP LOCKED
+                ) AS x
+                ORDER BY x.locked_until
                 LIMIT p_limit
-                FOR UPDATE SKIP LOCKED
             ))
             RETURNING m.*
         )
@@ -457,7 +464,7 @@ BEGIN
             ORDER BY (l.c).waiting_since, (l.c).id
             LIMIT v_left
         ) AS s;
-        EXIT WHEN v_channels IS NOT NULL OR v_got > 0 OR v_try >= 3;
+        EXIT WHEN v_channels IS NOT NULL OR v_got > 0 OR v_try >= 10;
         -- Nothing could be locked. If a channel is due, another transaction holds it (a
         -- create, an ack or another dequeue in flight): wait for it instead of reporting an
         -- empty queue, which would send the consumer to sleep with work waiting.
@@ -473,16 +480,14 @@ BEGIN
         ORDER BY w.waiting_since, w.id
         LIMIT 1;
         EXIT WHEN v_wait_id IS NULL;
-        -- Wait for the channel's row; keep the lock only if the channel is still due (the
-        -- next pass serves it), else release it by rolling the block back: a dequeue must
-        -- never hold one channel while it waits for another (that could deadlock).
+        -- Wait for the holder of the channel's row to finish, then release the row at once
+        -- by rolling the block back: a dequeue never holds one channel while it waits for
+        -- another (that could deadlock), and a row lock kept into the UPDATE that follows
+        -- would cost a MultiXact per dequeue. The next SKIP LOCKED pass takes the row; each
+        -- wait ends only after another transaction finished, so the retries make progress.
         BEGIN
             PERFORM 1 FROM {schema}.channel c WHERE c.id = v_wait_id FOR UPDATE;
-            PERFORM 1 FROM {schema}.channel c
-            WHERE c.id = v_wait_id AND c.waiting_since <= clock_timestamp();
-            IF NOT FOUND THEN
-                RAISE SQLSTATE 'LM002';
-            END IF;
+            RAISE SQLSTATE 'LM002';
         EXCEPTION WHEN SQLSTATE 'LM002' THEN
             NULL;
         END;
