@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 
 from . import migrator
+from .enqueue import transaction
 from .exceptions import (
     ChannelFull,
     ConfigurationError,
@@ -109,4 +110,5 @@ __all__ = [
     "SchemaTooNew",
     "install",
     "migrations",
+    "transaction",
 ]

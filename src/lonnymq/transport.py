@@ -60,11 +60,12 @@ from . import _headers, _url
 from ._heartbeat import Heartbeat
 from ._options import Options
 from ._pg import PgClient, Waiter
+from .enqueue import current_connection
 from .exceptions import ChannelFull, ConnectionLost, LonnyMQError
 from .migrator import wake_channel
 from .queue import Message as QueueMessage
 from .queue import Outcome
-from .queue._ops import Op
+from .queue._ops import Op, run
 from .queue.admin import delete_queue_op, purge_op, stats_op
 from .queue.dequeue import DequeueResult, dequeue_op
 from .queue.finalize import defer_op, delete_op
@@ -333,7 +334,9 @@ class Channel(virtual.Channel):
             ttl_ms=_headers.expiration_ms(props.get("expiration")),
             max_message_bytes=self.options.max_message_bytes,
         )
-        routed = self._run(op)
+        caller = current_connection()
+        # inside lonnymq.transaction(conn): in the caller's transaction, on its connection
+        routed = self._run(op) if caller is None else run(caller, op)
         if routed.dropped:
             raise ChannelFull(
                 routed.dropped[0], str(headers.get("x-channel") or routing_key or routed.dropped[0])

@@ -1,0 +1,124 @@
+"""Transactional enqueue: Kombu publishes and Celery tasks in the caller's transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kombu.connection import Connection
+from kombu.entity import Queue
+
+import lonnymq
+
+Conn = psycopg.Connection[Any]
+
+
+@pytest.fixture
+def kombu_conn(pg_dsn: str, schema: str) -> Iterator[Connection]:
+    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    with Connection(url, transport_options={"schema": schema}) as connection:
+        connection.connect()
+        yield connection
+
+
+def total(conn: Conn, schema: str, queue: str) -> int:
+    return lonnymq.Broker(schema).queue(queue).stats(conn, count_ready=False).total
+
+
+def test_kombu_publish_in_caller_transaction(
+    kombu_conn: Connection, connect: Callable[..., Conn], conn: Conn, schema: str
+) -> None:
+    queue = Queue("txq")
+    queue(kombu_conn.default_channel).declare()
+    producer = kombu_conn.Producer()
+    tx = connect(autocommit=False)
+    tx.execute("CREATE TEMP TABLE orders (id int)")
+    with lonnymq.transaction(tx):
+        tx.execute("INSERT INTO orders VALUES (1)")
+        producer.publish({"order": 1}, routing_key="txq")
+        assert total(conn, schema, "txq") == 0  # not visible before commit
+    assert tx.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS  # not committed
+    tx.rollback()
+    assert total(conn, schema, "txq") == 0  # the message never existed
+    with lonnymq.transaction(tx):
+        producer.publish({"order": 2}, routing_key="txq")
+    tx.commit()
+    simple = kombu_conn.SimpleQueue(queue)
+    message = simple.get(timeout=5)
+    assert message.payload == {"order": 2}
+    message.ack()
+    simple.close()
+    # outside the block, publishes use the transport's own connection again
+    producer.publish({"order": 3}, routing_key="txq")
+    tx.rollback()
+    assert total(conn, schema, "txq") == 1
+
+
+def test_autocommit_connection_gets_a_transaction_of_its_own(
+    kombu_conn: Connection, conn: Conn, connect: Callable[..., Conn], schema: str
+) -> None:
+    queue = Queue("txa")
+    queue(kombu_conn.default_channel).declare()
+    producer = kombu_conn.Producer()
+    caller = connect()  # autocommit
+    caller.execute("CREATE TEMP TABLE t (id int)")
+    with pytest.raises(RuntimeError), lonnymq.transaction(caller):
+        caller.execute("INSERT INTO t VALUES (1)")
+        producer.publish("lost", routing_key="txa")
+        raise RuntimeError("the caller fails after publishing")
+    assert total(conn, schema, "txa") == 0
+    assert caller.execute("SELECT count(*) FROM t").fetchone() == (0,)
+    with lonnymq.transaction(caller):
+        caller.execute("INSERT INTO t VALUES (2)")
+        producer.publish("kept", routing_key="txa")
+    assert total(conn, schema, "txa") == 1
+    assert caller.execute("SELECT count(*) FROM t").fetchone() == (1,)
+
+
+def test_celery_task_in_caller_transaction(
+    pg_dsn: str, schema: str, conn: Conn, connect: Callable[..., Conn]
+) -> None:
+    from celery import Celery
+
+    app = Celery("txapp", broker="lonnymq://" + pg_dsn.split("://", 1)[1])
+    app.conf.broker_transport_options = {"schema": schema}
+
+    @app.task(name="txapp.send_invoice")  # type: ignore[untyped-decorator]
+    def send_invoice(order_id: int) -> int:
+        return order_id
+
+    send_invoice.delay(0)  # first publish declares the queue and its binding
+    assert total(conn, schema, "celery") == 1
+    tx = connect(autocommit=False)
+    with lonnymq.transaction(tx):
+        send_invoice.delay(1)
+    tx.rollback()
+    assert total(conn, schema, "celery") == 1
+    with lonnymq.transaction(tx):
+        send_invoice.apply_async((2,), countdown=60)
+    tx.commit()
+    stats = lonnymq.Broker(schema).queue("celery").stats(conn)
+    assert (stats.total, stats.delayed) == (2, 1)
+    app.close()
+
+
+def test_bad_connections(pg_dsn: str) -> None:
+    with pytest.raises(lonnymq.InvalidArgument), lonnymq.transaction("postgresql://x"):
+        pass
+
+    async def go() -> None:
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn)
+        try:
+            with (
+                pytest.raises(lonnymq.InvalidArgument, match="sync psycopg"),
+                lonnymq.transaction(aconn),
+            ):
+                pass
+        finally:
+            await aconn.close()
+
+    import asyncio
+
+    asyncio.run(go())
