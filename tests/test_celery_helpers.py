@@ -1,0 +1,67 @@
+"""Celery helpers: the tenant channel derived from task arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+import lonnymq
+import lonnymq.celery
+
+Conn = psycopg.Connection[Any]
+
+
+@pytest.fixture
+def app(pg_dsn: str, schema: str) -> Iterator[Celery]:
+    app = Celery("helpers", broker="lonnymq://" + pg_dsn.split("://", 1)[1])
+    app.conf.broker_transport_options = {"schema": schema}
+    lonnymq.celery.setup(app)
+    yield app
+    app.close()
+
+
+def channels(conn: Conn, schema: str) -> list[str]:
+    got = lonnymq.Broker(schema).dequeue(conn, ["celery"], limit=100).messages
+    return [m.channel for m in got]
+
+
+def test_channel_from_task_arguments(app: Celery, conn: Conn, schema: str) -> None:
+    @app.task(name="helpers.report", lonnymq_channel="tenant_id")  # type: ignore[untyped-decorator]
+    def report(tenant_id: int, report_id: int, fmt: str = "pdf") -> None: ...
+
+    @app.task(name="helpers.by_kwarg", lonnymq_channel="account")  # type: ignore[untyped-decorator]
+    def by_kwarg(x: int, account: str = "house") -> None: ...
+
+    @app.task(  # type: ignore[untyped-decorator]
+        name="helpers.computed", lonnymq_channel=lambda args, kwargs: f"t-{args[0] % 2}"
+    )
+    def computed(n: int) -> None: ...
+
+    @app.task(name="helpers.plain")  # type: ignore[untyped-decorator]
+    def plain() -> None: ...
+
+    report.delay(42, 7)
+    report.delay(tenant_id=43, report_id=8)
+    report.apply_async((44, 9), headers={"x-channel": "override"})
+    by_kwarg.delay(1)
+    by_kwarg.delay(1, account="acme")
+    computed.delay(5)
+    plain.delay()
+    assert sorted(channels(conn, schema)) == sorted(
+        ["42", "43", "override", "house", "acme", "t-1", "celery"]
+    )
+
+
+def test_channel_option_naming_no_argument(
+    app: Celery, conn: Conn, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    @app.task(name="helpers.bad", lonnymq_channel="nope")  # type: ignore[untyped-decorator]
+    def bad(x: int) -> None: ...
+
+    bad.delay(1)  # Celery logs the signal handler's error; the message is not lost
+    assert "lonnymq_channel names no argument 'nope'" in caplog.text
+    assert channels(conn, schema) == ["celery"]
