@@ -628,3 +628,41 @@ def test_acks_from_other_threads(
     assert time.monotonic() - start < 10  # six windows of 10, no 30-second poll in between
     stats = lonnymq.Broker(schema).queue("threaded").stats(conn)
     assert (stats.total, stats.in_flight) == (0, 0)
+
+
+def test_policies_from_transport_options(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    policies = {
+        "jobs": {
+            "default": {"max_concurrency": 3},
+            "channels": {"vip": {"max_concurrency": None, "max_size": None}, "t1": {"max_size": 2}},
+        }
+    }
+    c = make_connection(policies=policies)
+    c.connect()
+    queue = lonnymq.Broker(schema).queue("jobs")
+    assert queue.policy.get(conn) == lonnymq.Policy(3, None)
+    assert queue.channel("vip").info(conn).own == lonnymq.Policy(None, None)
+    assert queue.channel("t1").info(conn).effective == lonnymq.Policy(None, 2)
+    simple = c.SimpleQueue("jobs")
+    simple.put(1, headers={"x-channel": "t1"})
+    simple.put(2, headers={"x-channel": "t1"})
+    with pytest.raises(lonnymq.ChannelFull):
+        simple.put(3, headers={"x-channel": "t1"})
+    simple.close()
+
+
+@pytest.mark.parametrize(
+    "policies",
+    [
+        ["not", "a", "dict"],
+        {"q": {"default": {"max_concurency": 1}}},
+        {"q": {"channels": {"a": {"max_size": -1}}}},
+        {"q": {"defaults": {}}},
+        {"q": {"channels": ["a"]}},
+    ],
+)
+def test_bad_policies_option(pg_dsn: str, policies: Any) -> None:
+    with pytest.raises(lonnymq.ConfigurationError, match="policies"):
+        Connection(url_of(pg_dsn), transport_options={"policies": policies}).connect()

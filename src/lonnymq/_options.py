@@ -58,6 +58,10 @@ class Options:
     expire_interval: float = 10.0
     #: Seconds to wait for a connection to Postgres.
     connect_timeout: float | None = None
+    #: Channel policies declared in configuration, applied when a process first connects:
+    #: ``{queue: {"default": {"max_concurrency": n, "max_size": n},
+    #: "channels": {channel: {...}}}}``. A declared policy replaces the one in the database.
+    policies: dict[str, Any] | None = None
 
     @property
     def lock_ms(self) -> int:
@@ -103,6 +107,8 @@ class Options:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"transport option {name} must be True or False")
         _integer("batch_size", self.batch_size, 1, 10_000)
+        if self.policies is not None:
+            _policies(self.policies)
         _integer("max_message_bytes", self.max_message_bytes, 1, 1024**3)
 
 
@@ -116,3 +122,40 @@ def _seconds(name: str, value: object, *, low: float) -> None:
 def _integer(name: str, value: object, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigurationError(f"transport option {name} must be an int in [{low}, {high}]")
+
+
+_LIMITS = frozenset({"max_concurrency", "max_size"})
+
+
+def _limits(where: str, value: object) -> None:
+    if not isinstance(value, dict) or not set(value) <= _LIMITS:
+        raise ConfigurationError(
+            f"transport option policies: {where} must be a dict with keys "
+            "max_concurrency and/or max_size"
+        )
+    for key, limit in value.items():
+        if limit is not None:
+            _integer(f"policies: {where}.{key}", limit, 0, 2**31 - 1)
+
+
+def _policies(policies: object) -> None:
+    if not isinstance(policies, dict):
+        raise ConfigurationError("transport option policies must be a dict keyed by queue name")
+    for queue, spec in policies.items():
+        if not isinstance(queue, str) or not isinstance(spec, dict):
+            raise ConfigurationError(
+                "transport option policies: each queue maps to a dict with 'default' and/or "
+                "'channels'"
+            )
+        unknown = set(spec) - {"default", "channels"}
+        if unknown:
+            raise ConfigurationError(
+                f"transport option policies[{queue!r}]: unknown key(s) {sorted(unknown)}"
+            )
+        if "default" in spec:
+            _limits(f"{queue}.default", spec["default"])
+        channels = spec.get("channels", {})
+        if not isinstance(channels, dict):
+            raise ConfigurationError(f"transport option policies[{queue!r}].channels: a dict")
+        for channel, limits in channels.items():
+            _limits(f"{queue}.channels[{channel!r}]", limits)

@@ -18,7 +18,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any, TypeVar
 
 import psycopg
@@ -124,6 +124,16 @@ class PgClient(_Forkable):
             except psycopg.OperationalError as exc:
                 raise translate(exc, self.schema) from exc
             _INSTALLED.add(key)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[psycopg.Connection[Any]]:
+        """The connection, held for a multi-statement job (a batch)."""
+        with self._lock:
+            try:
+                yield self.connection()
+            except ConnectionLost:
+                self.discard()
+                raise
 
     def run(self, op: Op[T]) -> T:
         """Run one operation, reconnecting first if the connection was lost."""

@@ -33,7 +33,8 @@ Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
 (visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
 ``batch_size`` (100), ``auto_install`` (True), ``max_message_bytes`` (8 MiB),
-``expire_interval`` (10 s), ``connect_timeout``.
+``expire_interval`` (10 s), ``connect_timeout``, ``policies`` (channel policies declared in
+configuration, applied when a process first connects).
 See :class:`lonnymq._options.Options` and ``docs/transport.md``. Unknown options are errors.
 """
 
@@ -63,8 +64,8 @@ from ._pg import PgClient, Waiter
 from .enqueue import current_connection
 from .exceptions import ChannelFull, ConnectionLost, LonnyMQError
 from .migrator import wake_channel
+from .queue import Broker, Outcome
 from .queue import Message as QueueMessage
-from .queue import Outcome
 from .queue._ops import Op, run
 from .queue.admin import delete_queue_op, purge_op, stats_op
 from .queue.dequeue import DequeueResult, dequeue_op
@@ -496,6 +497,7 @@ class Transport(virtual.Transport):
         self._waiter: Waiter | None = None
         self._heartbeat: Heartbeat | None = None
         self._said_polling = False
+        self._policies_applied = False
 
     @classmethod
     def as_uri(cls, uri: str, include_password: bool = False, mask: str = "**") -> str:
@@ -506,7 +508,22 @@ class Transport(virtual.Transport):
 
     def establish_connection(self) -> Any:
         self.pg.connection()
+        if self.options.policies and not self._policies_applied:
+            self._apply_policies(self.options.policies)
+            self._policies_applied = True
         return super().establish_connection()
+
+    def _apply_policies(self, policies: dict[str, Any]) -> None:
+        """Apply the policies declared in the transport options, in one batch."""
+        batch = Broker(self.options.schema).batch()
+        for queue, spec in policies.items():
+            if "default" in spec:
+                batch.queue(queue).policy.set(**spec["default"])
+            for channel, limits in spec.get("channels", {}).items():
+                batch.queue(queue).channel(channel).policy.set(**limits)
+        with self.pg.locked() as conn:
+            batch.execute(conn)
+        logger.info("lonnymq: applied the channel policies of %d queue(s)", len(policies))
 
     def close_connection(self, connection: Any) -> None:
         try:
