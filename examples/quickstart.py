@@ -7,26 +7,10 @@ throwaway Postgres of its own (see lonnymq.testing).
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import psycopg
 
 import lonnymq
-from lonnymq.testing import TempPostgres
-
-
-@contextmanager
-def database() -> Iterator[str]:
-    if os.environ.get("DATABASE_URL"):
-        yield os.environ["DATABASE_URL"]
-        return
-    server = TempPostgres().init().start()
-    try:
-        yield server.dsn()
-    finally:
-        server.cleanup()
+from lonnymq.testing import database
 
 
 def demo(dsn: str) -> list[str]:

@@ -3,7 +3,6 @@ one fresh schema per test, dropped afterwards."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,22 +12,15 @@ import pytest
 from psycopg import sql
 
 import lonnymq
-from lonnymq.testing import TempPostgres
+from lonnymq.testing import database
 
 Conn = psycopg.Connection[Any]
 
 
 @pytest.fixture(scope="session")
 def pg_dsn() -> Iterator[str]:
-    dsn = os.environ.get("LONNYMQ_TEST_DSN")
-    if dsn:
+    with database("LONNYMQ_TEST_DSN") as dsn:
         yield dsn
-        return
-    server = TempPostgres().init().start()
-    try:
-        yield server.dsn()
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A throwaway PostgreSQL server, for tests and demos, from the server binaries on this machine.
 
-    from lonnymq.testing import TempPostgres
+    from lonnymq.testing import TempPostgres, database
 
     server = TempPostgres().init().start()
     try:
@@ -8,6 +8,9 @@
         ...
     finally:
         server.cleanup()
+
+    with database() as dsn:   # $DATABASE_URL, else a throwaway server
+        ...
 
 Binaries are looked for in $LONNYMQ_PG_BINDIR, `pg_config --bindir`, /usr/lib/postgresql/*/bin,
 the PATH, then the ones bundled by the `pgserver` pip package (installed with the test extra),
@@ -24,6 +27,8 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -173,3 +178,16 @@ class TempPostgres:
 
     def dsn(self, dbname: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
+
+
+@contextmanager
+def database(env: str = "DATABASE_URL") -> Iterator[str]:
+    """The DSN in ``$env`` when set, else that of a throwaway server started for the block."""
+    if os.environ.get(env):
+        yield os.environ[env]
+        return
+    server = TempPostgres().init().start()
+    try:
+        yield server.dsn()
+    finally:
+        server.cleanup()
