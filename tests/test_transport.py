@@ -666,3 +666,24 @@ def test_policies_from_transport_options(
 def test_bad_policies_option(pg_dsn: str, policies: Any) -> None:
     with pytest.raises(lonnymq.ConfigurationError, match="policies"):
         Connection(url_of(pg_dsn), transport_options={"policies": policies}).connect()
+
+
+def test_undecodable_message_is_put_aside(
+    connection: Connection, conn: Conn, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = Queue("garbage")
+    queue(connection.default_channel).declare()
+    bad = (
+        lonnymq.Broker(schema)
+        .queue("garbage")
+        .channel("garbage")
+        .message.create(conn, b"\xff not json")
+    )
+    assert isinstance(bad, lonnymq.Created)
+    connection.Producer().publish("good", routing_key="garbage")
+    received: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda b, m: (received.append(b), m.ack())]):
+        drain(connection, lambda: received == ["good"])
+    assert f"message {bad.id} in queue 'garbage' is not a kombu message" in caplog.text
+    stats = lonnymq.Broker(schema).queue("garbage").stats(conn)
+    assert (stats.total, stats.delayed) == (1, 1)  # kept, not lost, not redelivered at once

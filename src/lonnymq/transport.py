@@ -428,25 +428,52 @@ class Channel(virtual.Channel):
         result = self._dequeue(queues, limit)
         if not result.messages:
             return 0, result.retry_ms
-        no_ack = [m for m in result.messages if m.queue in self._no_ack_queues]
+        batch = self._decodable(result.messages)
+        if not batch:
+            return 0, 0  # all put aside: look again at once
+        no_ack = [m for m, _ in batch if m.queue in self._no_ack_queues]
         if no_ack:
             self._run(delete_many_op(self.options.schema, [(m.id, m.lock_token) for m in no_ack]))
-        pending = [m for m in result.messages if m.queue not in self._no_ack_queues]
-        for message in pending:
-            self.qos.hold(self._tag(message), (message.id, message.lock_token))
+        for message, _ in batch:
+            if message.queue not in self._no_ack_queues:
+                self.qos.hold(self._tag(message), (message.id, message.lock_token))
         delivered = 0
         try:
-            for message in result.messages:
+            for message, payload in batch:
                 delivered += 1
-                self.connection._deliver(self._payload(message), message.queue)
+                self.connection._deliver(payload, message.queue)
         except BaseException:
-            rest = [m for m in result.messages[delivered:] if m.queue not in self._no_ack_queues]
+            rest = [m for m, _ in batch[delivered:] if m.queue not in self._no_ack_queues]
             for m in rest:
                 self.qos._release(self._tag(m))
             with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
                 self._defer_many((m.id, m.lock_token) for m in rest)
             raise
         return delivered, None
+
+    def _decodable(self, messages: list[QueueMessage]) -> list[tuple[QueueMessage, dict[str, Any]]]:
+        """The messages with their kombu payloads. One that is not a kombu payload (written by
+        something else) is logged and put aside for an hour instead of failing the consumer on
+        every redelivery; it stays in the queue for a person to look at."""
+        out = []
+        for message in messages:
+            try:
+                out.append((message, self._payload(message)))
+            except (ValueError, TypeError, AttributeError) as exc:
+                logger.error(
+                    "lonnymq: message %d in queue %r is not a kombu message (%s); deferred "
+                    "for an hour",
+                    message.id,
+                    message.queue,
+                    exc,
+                )
+                with contextlib.suppress(LonnyMQError):
+                    self._run(
+                        defer_op(
+                            self.options.schema, message.id, message.lock_token, delay_ms=3_600_000
+                        )
+                    )
+        return out
 
     def _restore(self, message: Any) -> None:
         ref = self.qos._release(message.delivery_tag)
