@@ -682,7 +682,12 @@ def test_undecodable_message_is_put_aside(
     assert isinstance(bad, lonnymq.Created)
     connection.Producer().publish("good", routing_key="garbage")
     received: list[Any] = []
-    with connection.Consumer(queue, callbacks=[lambda b, m: (received.append(b), m.ack())]):
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]):
         drain(connection, lambda: received == ["good"])
     assert f"message {bad.id} in queue 'garbage' is not a kombu message" in caplog.text
     stats = lonnymq.Broker(schema).queue("garbage").stats(conn)
