@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 
 from . import migrator
+from ._url import mask_password
 from .exceptions import LonnyMQError
 from .queue import Broker
 
@@ -41,7 +42,9 @@ def _connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
     try:
         return psycopg.connect(to_libpq(dsn), autocommit=True)
     except psycopg.Error as exc:
-        raise SystemExit(f"lonnymq: cannot connect to the database: {exc}") from exc
+        raise SystemExit(
+            f"lonnymq: cannot connect to the database: {mask_password(str(exc)).strip()}"
+        ) from None
 
 
 def _limit(text: str) -> int | None:
