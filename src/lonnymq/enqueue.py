@@ -54,7 +54,13 @@ def psycopg_connection(conn: Any) -> psycopg.Connection[Any]:
     # SQLAlchemy: a Session (.connection()) or a Connection (.connection.driver_connection).
     driver = getattr(getattr(conn, "connection", None), "driver_connection", None)
     if driver is not None:
-        return psycopg_connection(driver)
+        pg = psycopg_connection(driver)
+        # Begin SQLAlchemy's transaction as Connection.execute would, so that its commit()
+        # and rollback() cover what we publish on the driver connection.
+        begin = callable(getattr(conn, "in_transaction", None)) and not conn.in_transaction()
+        if begin and not pg.autocommit:
+            conn.begin()
+        return pg
     if callable(getattr(conn, "connection", None)) and hasattr(conn, "get_bind"):
         return psycopg_connection(conn.connection())
     raise InvalidArgument(
