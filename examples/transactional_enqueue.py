@@ -9,10 +9,7 @@ message is published and read back with Kombu's SimpleQueue on the lonnymq trans
 
 from __future__ import annotations
 
-import os
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -20,19 +17,7 @@ from kombu.connection import Connection
 from psycopg import sql
 
 import lonnymq
-from lonnymq.testing import TempPostgres
-
-
-@contextmanager
-def database() -> Iterator[str]:
-    if os.environ.get("DATABASE_URL"):
-        yield os.environ["DATABASE_URL"]
-        return
-    server = TempPostgres().init().start()
-    try:
-        yield server.dsn()
-    finally:
-        server.cleanup()
+from lonnymq.testing import database
 
 
 def place_order(conn: psycopg.Connection[Any], simple: Any, orders: sql.Composable, n: int) -> None:
