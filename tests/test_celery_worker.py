@@ -1,0 +1,530 @@
+# mypy: allow-untyped-calls
+# (celery and kombu are untyped)
+"""lonnymq under a real Celery worker process.
+
+Each test writes a Celery app module (``APP`` below) to ``tmp_path``; ``celery -A <module>
+worker`` runs it in a subprocess (its own session, so a SIGKILL can take its pool children
+too), and the test process imports the same file to publish and to talk to the worker
+(results through ``rpc://``, remote control through the pidbox). Tasks report what they do by
+appending lines to files in ``tmp_path``; the queue counters in Postgres are read with
+``lonnymq.Broker(schema).queue("celery").stats(conn)``. A worker's log (stdout + stderr) goes
+to a file of its own and is shown in failure messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psycopg
+import pytest
+from celery import Celery
+
+import lonnymq
+
+Conn = psycopg.Connection[Any]
+
+APP = r'''
+"""Celery app for tests/test_celery_worker.py (settings from the environment, see below)."""
+import json
+import os
+import time
+from pathlib import Path
+
+from celery import Celery
+
+import lonnymq  # noqa: F401  registers lonnymq://
+import lonnymq.celery
+
+OUT = Path(__OUT__)
+app = Celery("lmqtest", broker=__URL__, backend="rpc://")
+app.conf.update(
+    broker_transport_options={
+        "schema": __SCHEMA__,
+        "visibility_timeout": float(os.environ.get("LMQ_VT", "3600")),
+        "polling_interval": 1,
+    },
+    worker_prefetch_multiplier=int(os.environ.get("LMQ_PREFETCH", "4")),
+    broker_connection_retry_on_startup=True,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+)
+lonnymq.celery.setup(app)
+
+
+def append(name, line):
+    with open(OUT / name, "a") as f:
+        f.write(line + "\n")
+
+
+def lines(name):
+    path = OUT / name
+    return path.read_text().splitlines() if path.exists() else []
+
+
+@app.task(name="t.add", shared=False)
+def add(x, y):
+    return x + y
+
+
+@app.task(name="t.flaky", bind=True, max_retries=5, shared=False)
+def flaky(self, key):
+    append(key, f"try {time.time()}")
+    if len(lines(key)) < 3:
+        raise self.retry(countdown=1)
+    return "ok:" + key
+
+
+@app.task(
+    name="t.auto",
+    autoretry_for=(ValueError,),
+    retry_backoff=False,
+    default_retry_delay=1,
+    max_retries=5,
+    shared=False,
+)
+def auto(key):
+    append(key, f"try {time.time()}")
+    if len(lines(key)) < 3:
+        raise ValueError("not yet")
+    return "ok:" + key
+
+
+@app.task(name="t.slow_late", acks_late=True, shared=False)
+def slow_late():
+    append("slow_starts", json.dumps([os.getpid(), time.time()]))
+    time.sleep(float(os.environ.get("LMQ_SLOW", "30")))
+    append("slow_done", json.dumps([os.getpid(), time.time()]))
+    return "done"
+
+
+@app.task(name="t.sleeper", shared=False)
+def sleeper(seconds, marker):
+    append(marker, "start")
+    time.sleep(seconds)
+    return seconds
+
+
+@app.task(name="t.mark", shared=False)
+def mark(marker):
+    append(marker, "ran")
+
+
+@app.task(name="t.tenant", shared=False)
+def tenant(name):
+    append("tenants", name)
+
+
+@app.task(name="t.interval", acks_late=True, shared=False)
+def interval(tag):
+    start = time.time()
+    time.sleep(0.3)
+    append("intervals", json.dumps([tag, start, time.time()]))
+
+
+@app.task(name="t.chan", lonnymq_channel="tenant", shared=False)
+def chan(tenant, x):
+    append("chan", f"{tenant} {x}")
+    return f"{tenant}:{x * 2}"
+'''
+
+
+@dataclass
+class Env:
+    """The app module of one test: its file, its import in this process, its output dir."""
+
+    dir: Path
+    module: str
+    mod: ModuleType
+    schema: str
+
+    @property
+    def app(self) -> Celery:
+        app: Celery = self.mod.app
+        return app
+
+    def task(self, name: str) -> Any:
+        return getattr(self.mod, name)
+
+    def lines(self, name: str) -> list[str]:
+        path = self.dir / name
+        return path.read_text().splitlines() if path.exists() else []
+
+
+@dataclass
+class Worker:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def log_tail(self, n: int = 60) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-n:])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@pytest.fixture
+def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
+    module = f"lmqapp_{uuid.uuid4().hex[:10]}"
+    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    source = (
+        APP.replace("__OUT__", repr(str(tmp_path)))
+        .replace("__URL__", repr(url))
+        .replace("__SCHEMA__", repr(schema))
+    )
+    path = tmp_path / f"{module}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(module, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    environment = Env(tmp_path, module, mod, schema)
+    try:
+        yield environment
+    finally:
+        environment.app.close()
+
+
+def _stop(worker: Worker, sig: int = signal.SIGTERM) -> None:
+    if worker.alive():
+        try:
+            os.kill(worker.proc.pid, sig)
+            worker.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    # whatever is left of the worker's session (pool children) goes too
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker.proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        worker.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def workers(env: Env) -> Iterator[Callable[..., Worker]]:
+    """Start ``celery worker`` processes (waiting until they log "ready"); all are stopped
+    (SIGTERM, then SIGKILL of their session) after the test."""
+    started: list[Worker] = []
+
+    def start(
+        *args: str, extra_env: dict[str, str] | None = None, queues: str = "celery"
+    ) -> Worker:
+        name = f"w{uuid.uuid4().hex[:8]}"
+        log = env.dir / f"{name}.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            env.module,
+            "worker",
+            "--without-gossip",
+            "--without-mingle",
+            "-Q",
+            queues,
+            "-n",
+            f"{name}@%h",
+            "--loglevel",
+            "INFO",
+            *args,
+        ]
+        proc_env = dict(os.environ)
+        proc_env["PYTHONPATH"] = os.pathsep.join(
+            [str(env.dir), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        proc_env.update(extra_env or {})
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                cmd,
+                cwd=env.dir,
+                env=proc_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        worker = Worker(name, proc, log)
+        started.append(worker)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if " ready." in worker.log.read_text(errors="replace"):
+                return worker
+            if not worker.alive():
+                break
+            time.sleep(0.05)
+        pytest.fail(f"worker {name} did not become ready:\n{worker.log_tail()}")
+
+    try:
+        yield start
+    finally:
+        for worker in started:
+            _stop(worker)
+
+
+def stats(conn: Conn, schema: str) -> lonnymq.QueueStats:
+    return lonnymq.Broker(schema).queue("celery").stats(conn)
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout: float, what: str, worker: Worker | None = None
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    tail = f"\nworker log:\n{worker.log_tail()}" if worker else ""
+    pytest.fail(f"timed out after {timeout}s waiting for {what}{tail}")
+
+
+def node_of(replies: Any, worker: Worker) -> Any:
+    """The reply of ``worker`` in an inspect answer ({"name@host": reply}), or None."""
+    for node, reply in (replies or {}).items():
+        if node.startswith(worker.name + "@"):
+            return reply
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Pools
+
+
+@pytest.mark.parametrize(
+    "pool_args",
+    [("--pool", "threads", "-c", "4"), ("--pool", "prefork", "-c", "2"), ("--pool", "solo")],
+    ids=["threads", "prefork", "solo"],
+)
+def test_pools_run_tasks_and_return_results(
+    env: Env, workers: Callable[..., Worker], pool_args: tuple[str, ...]
+) -> None:
+    worker = workers(*pool_args)
+    add = env.task("add")
+    results = [add.delay(i, i) for i in range(100)]
+    try:
+        got = [r.get(timeout=30) for r in results]
+    except Exception as exc:
+        pytest.fail(f"{exc!r}\nworker log:\n{worker.log_tail()}")
+    assert got == [2 * i for i in range(100)]
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Retries
+
+
+def test_retries_wait_in_postgres_as_delayed(
+    env: Env, workers: Callable[..., Worker], conn: Conn
+) -> None:
+    worker = workers("--pool", "threads", "-c", "2")
+    flaky = env.task("flaky").delay("flaky")
+    auto = env.task("auto").delay("auto")
+    seen_delayed = 0
+    deadline = time.monotonic() + 30
+    while not (flaky.ready() and auto.ready()) and time.monotonic() < deadline:
+        delayed = stats(conn, env.schema).delayed or 0
+        seen_delayed = max(seen_delayed, delayed)
+        time.sleep(0.05)
+    assert flaky.get(timeout=5) == "ok:flaky", worker.log_tail()
+    assert auto.get(timeout=5) == "ok:auto", worker.log_tail()
+    assert len(env.lines("flaky")) == 3
+    assert len(env.lines("auto")) == 3
+    assert seen_delayed >= 1  # a retry waits in Postgres, not in the worker
+    # each retry came about a second after the try before it
+    for key in ("flaky", "auto"):
+        times = [float(line.split()[1]) for line in env.lines(key)]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        assert all(0.8 <= gap < 10 for gap in gaps), (key, gaps)
+    final = stats(conn, env.schema)
+    assert final.total == 0
+
+
+# --------------------------------------------------------------------------------------------
+# 3. acks_late + SIGKILL
+
+
+@pytest.mark.slow
+def test_acks_late_task_of_killed_worker_runs_again(
+    env: Env, workers: Callable[..., Worker], conn: Conn
+) -> None:
+    vt = 3.0
+    a = workers("--pool", "prefork", "-c", "1", extra_env={"LMQ_VT": str(vt), "LMQ_PREFETCH": "1"})
+    env.task("slow_late").delay()
+    wait_for(lambda: len(env.lines("slow_starts")) >= 1, 20, "the task to start on A", a)
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    a.proc.wait(timeout=10)
+    killed_at = time.time()
+    assert stats(conn, env.schema).in_flight == 1  # still locked by the dead worker
+    b = workers(
+        "--pool",
+        "prefork",
+        "-c",
+        "1",
+        extra_env={"LMQ_VT": str(vt), "LMQ_PREFETCH": "1", "LMQ_SLOW": "0.2"},
+    )
+    wait_for(lambda: len(env.lines("slow_done")) >= 1, 30, "the task to complete on B", b)
+    starts = [json.loads(line) for line in env.lines("slow_starts")]
+    done = [json.loads(line) for line in env.lines("slow_done")]
+    assert len(starts) >= 2
+    assert len(done) == 1
+    assert done[0][0] != starts[0][0]  # completed by another process than the killed one
+    redelivered_after = starts[1][1] - killed_at
+    assert redelivered_after < vt + 10, redelivered_after
+    wait_for(lambda: stats(conn, env.schema).total == 0, 10, "the ack", b)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Remote control
+
+
+@pytest.mark.slow
+def test_remote_control(env: Env, workers: Callable[..., Worker], conn: Conn) -> None:
+    worker = workers("--pool", "threads", "-c", "2")
+    app = env.app
+
+    # ping
+    pong = None
+    for _ in range(3):
+        pong = node_of(app.control.inspect(timeout=3).ping(), worker)
+        if pong:
+            break
+    assert pong == {"ok": "pong"}, worker.log_tail()
+
+    # active
+    running = env.task("sleeper").delay(3, "sleeper")
+    wait_for(lambda: bool(env.lines("sleeper")), 10, "the sleeper to start", worker)
+    active = node_of(app.control.inspect(timeout=3).active(), worker)
+    assert active is not None
+    assert [t["id"] for t in active] == [running.id]
+    assert active[0]["name"] == "t.sleeper"
+    assert running.get(timeout=10) == 3
+
+    # revoke a delayed task: it never runs; a twin that is not revoked does
+    mark = env.task("mark")
+    revoked = mark.apply_async(("revoked",), countdown=3)
+    mark.apply_async(("kept",), countdown=3)
+    app.control.revoke(revoked.id)
+    wait_for(lambda: bool(env.lines("kept")), 15, "the kept twin to run", worker)
+    time.sleep(1)
+    assert env.lines("revoked") == []
+    wait_for(lambda: stats(conn, env.schema).total == 0, 10, "the revoked task's ack", worker)
+
+    # purge the waiting (here: delayed) tasks
+    for i in range(10):
+        mark.apply_async((f"purged-{i}",), countdown=3600)
+    assert stats(conn, env.schema).waiting == 10
+    purged = app.control.purge()
+    assert purged == 10
+    after = stats(conn, env.schema)
+    assert after.total == 0
+    assert after.waiting == 0
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Delayed tasks stay in Postgres
+
+
+@pytest.mark.slow
+def test_delayed_tasks_stay_in_postgres(
+    env: Env, workers: Callable[..., Worker], conn: Conn
+) -> None:
+    worker = workers("--pool", "threads", "-c", "2")
+    mark = env.task("mark")
+    with env.app.producer_or_acquire() as producer:
+        for i in range(2000):
+            mark.apply_async((f"never-{i}",), countdown=3600, producer=producer)
+    time.sleep(2)  # let the worker have its chance
+    scheduled = node_of(env.app.control.inspect(timeout=3).scheduled(), worker)
+    assert scheduled == [], worker.log_tail()
+    s = stats(conn, env.schema)
+    assert s.delayed == 2000
+    assert s.total == 2000
+    assert s.in_flight == 0
+    assert not any(p.name.startswith("never-") for p in env.dir.iterdir())
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Fairness
+
+
+def test_fairness_between_tenants(env: Env, workers: Callable[..., Worker], conn: Conn) -> None:
+    tenant = env.task("tenant")
+    with env.app.producer_or_acquire() as producer:
+        for _ in range(500):
+            tenant.apply_async(("A",), headers={"x-channel": "A"}, producer=producer)
+        for _ in range(20):
+            tenant.apply_async(("B",), headers={"x-channel": "B"}, producer=producer)
+    assert stats(conn, env.schema).total == 520
+    worker = workers("--pool", "solo", extra_env={"LMQ_PREFETCH": "1"})
+    wait_for(
+        lambda: env.lines("tenants").count("B") >= 20 or len(env.lines("tenants")) >= 60,
+        60,
+        "20 B tasks or 60 tasks",
+        worker,
+    )
+    _stop(worker)
+    order = env.lines("tenants")
+    assert order[:60].count("B") == 20, order[:60]
+
+
+# --------------------------------------------------------------------------------------------
+# 7. max_concurrency limits running tasks
+
+
+def test_max_concurrency_limits_running_tasks(
+    env: Env, workers: Callable[..., Worker], conn: Conn
+) -> None:
+    broker = lonnymq.Broker(env.schema)
+    broker.install(conn)
+    broker.queue("celery").channel("T").policy.set(conn, max_concurrency=1)
+    interval = env.task("interval")
+    for i in range(8):
+        interval.apply_async((f"T{i}",), headers={"x-channel": "T"})
+    for i in range(8):
+        interval.apply_async((f"U{i}",), headers={"x-channel": "U"})
+    worker = workers("--pool", "threads", "-c", "4", extra_env={"LMQ_PREFETCH": "1"})
+    wait_for(lambda: len(env.lines("intervals")) >= 16, 30, "16 tasks", worker)
+    records = [json.loads(line) for line in env.lines("intervals")]
+
+    def spans(prefix: str) -> list[tuple[float, float]]:
+        return sorted((s, e) for tag, s, e in records if tag.startswith(prefix))
+
+    t, u = spans("T"), spans("U")
+    assert len(t) == len(u) == 8
+    t_overlaps = [(a, b) for a, b in itertools.pairwise(t) if b[0] < a[1]]
+    assert t_overlaps == []
+    u_overlaps = [(a, b) for a, b in itertools.pairwise(u) if b[0] < a[1]]
+    assert u_overlaps, u
+
+
+# --------------------------------------------------------------------------------------------
+# 8. lonnymq.celery.setup + lonnymq_channel through a worker
+
+
+def test_channel_option_through_worker(
+    env: Env, workers: Callable[..., Worker], conn: Conn
+) -> None:
+    chan = env.task("chan")
+    results = [chan.delay(tenant, i) for i in range(6) for tenant in ("acme", "globex", "7")]
+    s = stats(conn, env.schema)
+    assert s.total == 18
+    assert s.channels == 3  # one channel per tenant, none named after the queue
+    worker = workers("--pool", "threads", "-c", "4")
+    try:
+        got = sorted(r.get(timeout=30) for r in results)
+    except Exception as exc:
+        pytest.fail(f"{exc!r}\nworker log:\n{worker.log_tail()}")
+    assert got == sorted(f"{t}:{i * 2}" for i in range(6) for t in ("acme", "globex", "7"))
+    assert len(env.lines("chan")) == 18
