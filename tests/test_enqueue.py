@@ -122,3 +122,45 @@ def test_bad_connections(pg_dsn: str) -> None:
     import asyncio
 
     asyncio.run(go())
+
+
+def test_async_publish_of_a_celery_task(
+    pg_dsn: str, schema: str, conn: Conn, kombu_conn: Connection
+) -> None:
+    """apublish writes the task apply_async would, on the caller's AsyncConnection."""
+    import asyncio
+
+    from celery import Celery
+
+    import lonnymq.celery
+
+    app = Celery("asyncapp", broker="lonnymq://" + pg_dsn.split("://", 1)[1])
+    app.conf.broker_transport_options = {"schema": schema}
+
+    @app.task(name="asyncapp.mul")  # type: ignore[untyped-decorator]
+    def mul(x: int, y: int) -> int:
+        return x * y
+
+    async def go() -> str:
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn)
+        try:
+            async with aconn.transaction():
+                await lonnymq.celery.apublish(aconn, mul, (2, 3))
+                raise psycopg.Rollback()
+            async with aconn.transaction():
+                await lonnymq.celery.apublish(aconn, mul, (4, 5), countdown=60)
+                return await lonnymq.celery.apublish(aconn, mul, (6, 7), headers={"x-channel": "t"})
+        finally:
+            await aconn.close()
+
+    task_id = asyncio.run(go())
+    stats = lonnymq.Broker(schema).queue("celery").stats(conn)
+    assert (stats.total, stats.delayed) == (2, 1)
+    simple = kombu_conn.SimpleQueue("celery")
+    message = simple.get(timeout=5)
+    assert message.headers["task"] == "asyncapp.mul" and message.headers["id"] == task_id
+    args, kwargs, _ = message.decode()
+    assert (args, kwargs) == ([6, 7], {})
+    message.ack()
+    simple.close()
+    app.close()

@@ -12,6 +12,9 @@ Tenant channels without touching call sites::
 
     rebuild_report.delay(42, 7)                  # goes to channel "42" of its queue
 
+Async code publishes a task in its own ``psycopg.AsyncConnection`` transaction with
+:func:`apublish`.
+
 ``lonnymq_channel`` may also be a callable ``(args, kwargs) -> str``. A call can still choose
 its channel with ``headers={"x-channel": ...}``, which wins. An option naming no argument of
 the task is logged as an error by Celery at publish, and the message keeps the default channel
@@ -21,12 +24,22 @@ the task is logged as an error by Celery at publish, and the message keeps the d
 
 from __future__ import annotations
 
+import base64
 import inspect
+import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import psycopg
 from celery import Celery, signals
+from kombu.serialization import dumps as serialize
+from kombu.utils.json import dumps as to_json
+
+from ._headers import delay_ms
+from .migrator import DEFAULT_SCHEMA
+from .queue._ops import arun
+from .queue.routing import publish_op
 
 _APPS: weakref.WeakSet[Celery] = weakref.WeakSet()
 _SIGNATURES: dict[Any, inspect.Signature] = {}
@@ -94,3 +107,69 @@ def _before_publish(
     channel = channel_for(task, list(args or ()), dict(kwargs or {}))
     if channel:
         headers["x-channel"] = channel
+
+
+async def apublish(
+    aconn: Any,
+    task: Any,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    queue: str | None = None,
+    countdown: float | None = None,
+    eta: Any = None,
+    headers: dict[str, Any] | None = None,
+    priority: int | None = None,
+) -> str:
+    """Publish a Celery task on an asyncio ``psycopg.AsyncConnection``, in its transaction.
+
+    For async code: ``async with aconn.transaction(): ...; await apublish(aconn, task, args)``
+    writes the task with the caller's rows, rolled back or committed with them. The message is
+    the one ``task.apply_async`` would publish (Celery message protocol 2), sent to ``queue``
+    (default: the task's queue, else ``task_default_queue``). Returns the task id. The schema
+    must be installed already (any worker or producer of the app installs it on first use, or
+    ``lonnymq migrate``).
+    """
+    if not isinstance(aconn, psycopg.AsyncConnection):
+        raise TypeError("apublish needs a psycopg.AsyncConnection")
+    app = task.app
+    task_id = str(uuid.uuid4())
+    kwargs = dict(kwargs or {})
+    message = app.amqp.create_task_message(
+        task_id, task.name, list(args), kwargs, countdown=countdown, eta=eta
+    )
+    content_type, encoding, data = serialize(message.body, serializer=app.conf.task_serializer)
+    raw = data.encode(encoding or "utf-8") if isinstance(data, str) else data
+    all_headers = {**message.headers, **(headers or {})}
+    target = queue or getattr(task, "queue", None) or app.conf.task_default_queue
+    if "x-channel" not in all_headers:
+        channel = channel_for(task, list(args), kwargs)
+        if channel:
+            all_headers["x-channel"] = channel
+    envelope = {
+        "body": base64.b64encode(raw).decode(),
+        "content-encoding": encoding,
+        "content-type": content_type,
+        "headers": all_headers,
+        "properties": {
+            **message.properties,
+            "delivery_mode": 2,
+            "priority": priority or 0,
+            "body_encoding": "base64",
+            "delivery_tag": str(uuid.uuid4()),
+            "delivery_info": {"exchange": "", "routing_key": target},
+        },
+    }
+    options = dict(app.conf.broker_transport_options or {})
+    op = publish_op(
+        str(options.get("schema", DEFAULT_SCHEMA)),
+        "",
+        target,
+        to_json(envelope).encode(),
+        channel=all_headers.get("x-channel"),
+        name=all_headers.get("x-dedup-name"),
+        delay_ms=delay_ms(all_headers),
+        priority=priority or 0,
+    )
+    await arun(aconn, op)
+    return task_id
