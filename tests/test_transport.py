@@ -104,6 +104,7 @@ def test_separate_fields(pg_dsn: str, schema: str) -> None:
         ({"visibility_timeout": "soon"}, "visibility_timeout"),
         ({"batch_size": 0}, "batch_size"),
         ({"use_listen": "yes"}, "use_listen"),
+        ({"consumer_commit": "maybe"}, "consumer_commit"),
         ({"heartbeat_interval": 10, "visibility_timeout": 5}, "heartbeat_interval"),
     ],
 )
@@ -692,3 +693,20 @@ def test_undecodable_message_is_put_aside(
     assert f"message {bad.id} in queue 'garbage' is not a kombu message" in caplog.text
     stats = lonnymq.Broker(schema).queue("garbage").stats(conn)
     assert (stats.total, stats.delayed) == (1, 1)  # kept, not lost, not redelivered at once
+
+
+def test_consumer_commit_async_is_transaction_local(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """Dequeue and ack skip the WAL-flush wait only for their own transactions: the
+    session's setting (and so every publish) stays durable."""
+    for mode in ("async", "sync"):
+        c = make_connection(consumer_commit=mode)
+        simple = c.SimpleQueue(f"commit-{mode}")
+        simple.put("x")
+        message = simple.get(timeout=5)
+        message.ack()
+        pg = c.transport.pg.connection()
+        assert pg.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        assert lonnymq.Broker(schema).queue(f"commit-{mode}").stats(conn).total == 0
+        simple.close()

@@ -52,7 +52,8 @@ class Heartbeat(threading.Thread):
                 held.extend(channel.qos.held())
             queues.update(channel._active_queues)
         if held:
-            kept = transport.pg.run(heartbeat_op(schema, held, lock_ms=transport.options.lock_ms))
+            op = heartbeat_op(schema, held, lock_ms=transport.options.lock_ms)
+            kept = transport.pg.run(transport.consumer_op(op))
             lost = [ref[0] for ref in held if ref[0] not in kept]
             if lost:
                 logger.warning(

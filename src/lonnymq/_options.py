@@ -56,6 +56,11 @@ class Options:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Seconds between expiry sweeps (message TTLs, x-expires queues) by consumers.
     expire_interval: float = 10.0
+    #: How the consumer's own transactions commit (dequeue, ack, reject, lock heartbeat):
+    #: "async" (synchronous_commit off: no wait for the WAL flush; a database crash can lose
+    #: the last few, which means redeliveries, never a lost message) or "sync". Publishes
+    #: always commit durably.
+    consumer_commit: str = "async"
     #: Seconds to wait for a connection to Postgres.
     connect_timeout: float | None = None
     #: Channel policies declared in configuration, applied when a process first connects:
@@ -107,6 +112,8 @@ class Options:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"transport option {name} must be True or False")
         _integer("batch_size", self.batch_size, 1, 10_000)
+        if self.consumer_commit not in ("async", "sync"):
+            raise ConfigurationError('transport option consumer_commit must be "async" or "sync"')
         if self.policies is not None:
             _policies(self.policies)
         _integer("max_message_bytes", self.max_message_bytes, 1, 1024**3)

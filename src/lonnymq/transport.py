@@ -33,8 +33,9 @@ Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
 (visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
 ``batch_size`` (100), ``auto_install`` (True), ``max_message_bytes`` (8 MiB),
-``expire_interval`` (10 s), ``connect_timeout``, ``policies`` (channel policies declared in
-configuration, applied when a process first connects).
+``expire_interval`` (10 s), ``consumer_commit`` (``"async"``), ``connect_timeout``,
+``policies`` (channel policies declared in configuration, applied when a process first
+connects).
 See :class:`lonnymq._options.Options` and ``docs/transport.md``. Unknown options are errors.
 """
 
@@ -48,7 +49,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from queue import Empty
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from amqp.protocol import queue_declare_ok_t
@@ -66,7 +67,7 @@ from .exceptions import ChannelFull, ConnectionLost, LonnyMQError
 from .migrator import wake_channel
 from .queue import Broker, Outcome
 from .queue import Message as QueueMessage
-from .queue._ops import Op, run
+from .queue._ops import Op, async_commit, run
 from .queue.admin import delete_queue_op, purge_op, stats_op
 from .queue.dequeue import DequeueResult, dequeue_op
 from .queue.finalize import defer_op, delete_op
@@ -87,6 +88,7 @@ from .queue.routing import (
 logger = logging.getLogger("lonnymq.transport")
 
 Held = tuple[int, uuid.UUID]
+T = TypeVar("T")
 
 
 class QoS(virtual.QoS):
@@ -173,6 +175,11 @@ class Channel(virtual.Channel):
     def _run(self, op: Op[Any]) -> Any:
         return self.connection.pg.run(op)
 
+    def _consume(self, op: Op[Any]) -> Any:
+        """Run a dequeue, ack, reject or release: with ``consumer_commit="async"`` it does not
+        wait for the WAL flush (losing it in a database crash only means a redelivery)."""
+        return self.connection.pg.run(self.connection.consumer_op(op))
+
     def _exchange_type(self, exchange: str) -> str:
         cache = self.connection.exchange_types
         if exchange not in cache:
@@ -185,7 +192,7 @@ class Channel(virtual.Channel):
     def _finalize(self, ref: Held, *, requeue: bool, why: str) -> None:
         schema = self.options.schema
         op = defer_op(schema, ref[0], ref[1]) if requeue else delete_op(schema, ref[0], ref[1])
-        outcome = self._run(op)
+        outcome = self._consume(op)
         if outcome is not Outcome.OK:
             logger.warning(
                 "lonnymq: %s of message %d ignored: %s (its lock expired and it was "
@@ -197,7 +204,7 @@ class Channel(virtual.Channel):
 
     def _defer_many(self, held: Iterable[Held]) -> None:
         for ref in held:
-            self._run(defer_op(self.options.schema, ref[0], ref[1]))
+            self._consume(defer_op(self.options.schema, ref[0], ref[1]))
 
     # -- exchanges, queues, bindings -----------------------------------------------------------
 
@@ -378,7 +385,7 @@ class Channel(virtual.Channel):
         message = result.messages[0]
         payload = self._payload(message)
         if no_ack:
-            self._run(delete_many_op(self.options.schema, [(message.id, message.lock_token)]))
+            self._consume(delete_many_op(self.options.schema, [(message.id, message.lock_token)]))
             return self.Message(payload, channel=self)
         tag = payload["properties"]["delivery_tag"]
         self.qos.hold(tag, (message.id, message.lock_token))
@@ -396,7 +403,7 @@ class Channel(virtual.Channel):
 
     def _dequeue(self, queues: list[str], limit: int) -> DequeueResult:
         op = dequeue_op(self.options.schema, queues, limit=limit, lock_ms=self.options.lock_ms)
-        result: DequeueResult = self._run(op)
+        result: DequeueResult = self._consume(op)
         return result
 
     @staticmethod
@@ -433,7 +440,9 @@ class Channel(virtual.Channel):
             return 0, 0  # all put aside: look again at once
         no_ack = [m for m, _ in batch if m.queue in self._no_ack_queues]
         if no_ack:
-            self._run(delete_many_op(self.options.schema, [(m.id, m.lock_token) for m in no_ack]))
+            self._consume(
+                delete_many_op(self.options.schema, [(m.id, m.lock_token) for m in no_ack])
+            )
         for message, _ in batch:
             if message.queue not in self._no_ack_queues:
                 self.qos.hold(self._tag(message), (message.id, message.lock_token))
@@ -525,6 +534,9 @@ class Transport(virtual.Transport):
         self._heartbeat: Heartbeat | None = None
         self._said_polling = False
         self._policies_applied = False
+
+    def consumer_op(self, op: Op[T]) -> Op[T]:
+        return async_commit(op) if self.options.consumer_commit == "async" else op
 
     @classmethod
     def as_uri(cls, uri: str, include_password: bool = False, mask: str = "**") -> str:

@@ -61,6 +61,20 @@ _ARGUMENT_ERRORS = (
 )
 
 
+_ASYNC_COMMIT = (
+    b"SELECT q.* FROM (SELECT set_config('synchronous_commit', 'off', true)) AS c(v) "
+    b"CROSS JOIN LATERAL ("
+)
+
+
+def async_commit(op: Op[T]) -> Op[T]:
+    """``op`` committing with ``synchronous_commit = off``: no wait for the WAL flush. Only
+    for a statement that is its own transaction (an autocommit connection) and whose loss in
+    a database crash is harmless: a dequeue or an ack lost that way means a redelivery, which
+    at-least-once delivery allows. Never for a create."""
+    return Op(op.schema, _ASYNC_COMMIT + op.query + b") AS q", op.params, op.parse)
+
+
 def translate(exc: Exception, schema: str) -> LonnyMQError:
     """The lonnymq error for a psycopg error."""
     if isinstance(exc, _SCHEMA_ERRORS):
