@@ -125,8 +125,14 @@ def _lock_key(schema: str) -> sql.Composed:
 def installed_version(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> int | None:
     """The version of ``schema`` installed in the database, or None when it is not."""
     schema = validate_schema(schema)
+    # A plain query of the catalog (an MVCC snapshot), not to_regclass(): to_regclass reads
+    # the catalog cache, which keeps a "does not exist" entry from before another process
+    # installed the schema while we waited for the install lock.
     row = conn.execute(
-        "SELECT to_regclass(format('%%I.migration', %s::text)) IS NOT NULL", (schema,)
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relname = 'migration')",
+        (schema,),
     ).fetchone()
     if not row or not row[0]:
         return None
