@@ -11,6 +11,7 @@ it opens its own on first use.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -44,6 +45,9 @@ class _Forkable:
     _conn: psycopg.Connection[Any] | None
     _lock: threading.RLock
 
+    def close(self) -> None:
+        raise NotImplementedError
+
     def _after_fork(self) -> None:
         if self._conn is not None:
             _INHERITED.append(self._conn)
@@ -58,6 +62,17 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_at_exit() -> None:
+    """Close this process's own connections at exit (a producer's kombu connection is often
+    never released), rather than leaving them to finalizers that warn."""
+    for item in list(_LIVE):
+        with contextlib.suppress(Exception):
+            item.close()
+
+
+atexit.register(_close_at_exit)
 
 
 def _open(conninfo: str, connect_timeout: float | None, role: str) -> psycopg.Connection[Any]:

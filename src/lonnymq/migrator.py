@@ -194,8 +194,8 @@ def _refuse_foreign_objects(conn: psycopg.Connection[Any], schema: str) -> None:
     if row and row[0]:
         raise SchemaError(
             f"schema {schema!r} holds {row[0]} table(s) but no lonnymq migration record; "
-            "refusing to install over them: use another schema, or drop it if it is a "
-            "leftover lonnymq install"
+            "refusing to install over them. Give lonnymq a schema of its own (the default "
+            "is 'lonnymq'), or drop this one if it is a leftover lonnymq install"
         )
 
 
