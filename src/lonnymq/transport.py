@@ -117,22 +117,23 @@ class QoS(virtual.QoS):
         return bool(self.prefetch_count) and not self.can_consume()
 
     def ack(self, delivery_tag: str) -> None:
-        ref = self._release(delivery_tag)
-        if ref is not None:
-            self.channel._finalize(ref, requeue=False, why="ack")
-        full = self._window_full()
-        super().ack(delivery_tag)
-        if full:
-            self.channel.connection.wake()  # the consumer may fetch again
+        self._settle(delivery_tag, requeue=False, why="ack")
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        self._settle(delivery_tag, requeue=requeue, why="reject")
+
+    def _settle(self, delivery_tag: str, *, requeue: bool, why: str) -> None:
+        """Delete or release the row, and free the prefetch slot even if that fails (the
+        message then comes back when its lock expires)."""
         ref = self._release(delivery_tag)
-        if ref is not None:
-            self.channel._finalize(ref, requeue=requeue, why="reject")
         full = self._window_full()
-        self._quick_ack(delivery_tag)
-        if full:
-            self.channel.connection.wake()
+        try:
+            if ref is not None:
+                self.channel._finalize(ref, requeue=requeue, why=why)
+        finally:
+            self._quick_ack(delivery_tag)
+            if full:
+                self.channel.connection.wake()  # the consumer may fetch again
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Unlock every held message (same rows, no copies), e.g. at shutdown."""
