@@ -480,17 +480,12 @@ BEGIN
         ORDER BY w.waiting_since, w.id
         LIMIT 1;
         EXIT WHEN v_wait_id IS NULL;
-        -- Wait for the holder of the channel's row to finish, then release the row at once
-        -- by rolling the block back: a dequeue never holds one channel while it waits for
-        -- another (that could deadlock), and a row lock kept into the UPDATE that follows
-        -- would cost a MultiXact per dequeue. The next SKIP LOCKED pass takes the row; each
-        -- wait ends only after another transaction finished, so the retries make progress.
-        BEGIN
-            PERFORM 1 FROM {schema}.channel c WHERE c.id = v_wait_id FOR UPDATE;
-            RAISE SQLSTATE 'LM002';
-        EXCEPTION WHEN SQLSTATE 'LM002' THEN
-            NULL;
-        END;
+        -- Give the holder a moment (its transaction is one function call) and look again.
+        -- Sleep, never wait on the row lock: the SKIP LOCKED pass above may have left rows
+        -- locked that it did not return (a row updated since our snapshot is locked, then
+        -- fails the recheck), and waiting on a lock while holding one can deadlock with a
+        -- batch of creates. A dequeue never waits on a lock, so it can never deadlock.
+        PERFORM pg_sleep(0.001);
         v_now := clock_timestamp();
         v_wait_id := NULL;
     END LOOP;
