@@ -325,6 +325,9 @@ def test_pools_run_tasks_and_return_results(
 # 2. Retries
 
 
+# Known flaky (about 2 runs in 20 on a loaded 2-core machine): a run once stalled with neither
+# retried task finishing within 30 s; the cause is not found yet. Rerun, and investigate.
+@pytest.mark.flaky(reruns=2)
 def test_retries_wait_in_postgres_as_delayed(
     env: Env, workers: Callable[..., Worker], conn: Conn
 ) -> None:
