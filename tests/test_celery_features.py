@@ -17,8 +17,6 @@ import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -34,7 +32,7 @@ from celery import Celery, chain, chord, group
 from psycopg import sql
 
 import lonnymq
-from tests.test_celery_worker import Worker, _stop, wait_for
+from tests.test_celery_worker import Worker, _stop, launch, wait_for, worker_args
 
 Conn = psycopg.Connection[Any]
 
@@ -207,47 +205,11 @@ def procs(env: Env) -> Iterator[Callable[..., Worker]]:
         ready: str = " ready.",
     ) -> Worker:
         name = f"{'b' if beat else 'w'}{uuid.uuid4().hex[:8]}"
-        log = env.dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "celery", "-A", env.module]
         if beat:
-            cmd += ["beat", "-s", str(env.dir / "schedule"), "--loglevel", "INFO", *args]
+            argv = ["beat", "-s", str(env.dir / "schedule"), "--loglevel", "INFO", *args]
         else:
-            cmd += [
-                "worker",
-                "--without-gossip",
-                "--without-mingle",
-                "-Q",
-                queues,
-                "-n",
-                f"{name}@%h",
-                "--loglevel",
-                "INFO",
-                *args,
-            ]
-        proc_env = dict(os.environ)
-        proc_env["PYTHONPATH"] = os.pathsep.join(
-            [str(env.dir), *filter(None, [os.environ.get("PYTHONPATH")])]
-        )
-        proc_env.update(extra_env or {})
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=env.dir,
-                env=proc_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        worker = Worker(name, proc, log)
-        started.append(worker)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if ready in worker.log.read_text(errors="replace"):
-                return worker
-            if not worker.alive():
-                break
-            time.sleep(0.05)
-        pytest.fail(f"{name} did not become ready:\n{worker.log_tail()}")
+            argv = worker_args(name, queues, *args)
+        return launch(env.dir, env.module, name, argv, started, extra_env=extra_env, ready=ready)
 
     try:
         yield start

@@ -215,6 +215,61 @@ def _stop(worker: Worker, sig: int = signal.SIGTERM) -> None:
         worker.proc.wait(timeout=10)
 
 
+def worker_args(name: str, queues: str, *args: str) -> list[str]:
+    """``celery worker`` arguments for a worker named ``name`` consuming ``queues``."""
+    return [
+        "worker",
+        "--without-gossip",
+        "--without-mingle",
+        "-Q",
+        queues,
+        "-n",
+        f"{name}@%h",
+        "--loglevel",
+        "INFO",
+        *args,
+    ]
+
+
+def launch(
+    directory: Path,
+    module: str,
+    name: str,
+    args: list[str],
+    started: list[Worker],
+    *,
+    extra_env: dict[str, str] | None = None,
+    ready: str = " ready.",
+) -> Worker:
+    """Start ``python -m celery -A module *args`` in its own session, logging to
+    ``directory/name.log``, and wait until the log shows ``ready``."""
+    log = directory / f"{name}.log"
+    proc_env = dict(os.environ)
+    proc_env["PYTHONPATH"] = os.pathsep.join(
+        [str(directory), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    proc_env.update(extra_env or {})
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", module, *args],
+            cwd=directory,
+            env=proc_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    worker = Worker(name, proc, log)
+    started.append(worker)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if ready in worker.log.read_text(errors="replace"):
+            return worker
+        if not worker.alive():
+            break
+        time.sleep(0.05)
+    pytest.fail(f"{name} did not become ready:\n{worker.log_tail()}")
+
+
 @pytest.fixture
 def workers(env: Env) -> Iterator[Callable[..., Worker]]:
     """Start ``celery worker`` processes (waiting until they log "ready"); all are stopped
@@ -225,48 +280,8 @@ def workers(env: Env) -> Iterator[Callable[..., Worker]]:
         *args: str, extra_env: dict[str, str] | None = None, queues: str = "celery"
     ) -> Worker:
         name = f"w{uuid.uuid4().hex[:8]}"
-        log = env.dir / f"{name}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            env.module,
-            "worker",
-            "--without-gossip",
-            "--without-mingle",
-            "-Q",
-            queues,
-            "-n",
-            f"{name}@%h",
-            "--loglevel",
-            "INFO",
-            *args,
-        ]
-        proc_env = dict(os.environ)
-        proc_env["PYTHONPATH"] = os.pathsep.join(
-            [str(env.dir), *filter(None, [os.environ.get("PYTHONPATH")])]
-        )
-        proc_env.update(extra_env or {})
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                cmd,
-                cwd=env.dir,
-                env=proc_env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        worker = Worker(name, proc, log)
-        started.append(worker)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if " ready." in worker.log.read_text(errors="replace"):
-                return worker
-            if not worker.alive():
-                break
-            time.sleep(0.05)
-        pytest.fail(f"worker {name} did not become ready:\n{worker.log_tail()}")
+        argv = worker_args(name, queues, *args)
+        return launch(env.dir, env.module, name, argv, started, extra_env=extra_env)
 
     try:
         yield start
