@@ -21,18 +21,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import psycopg
 import pytest
-from celery import Celery, chain, chord, group
+from celery import chain, chord, group
 from psycopg import sql
 
 import lonnymq
-from tests.test_celery_worker import Worker, _stop, launch, wait_for, worker_args
+from tests.test_celery_worker import Env, Worker, _stop, launch, wait_for, worker_args
 
 Conn = psycopg.Connection[Any]
 
@@ -119,26 +117,6 @@ def victim():
 def tick():
     append("tick", str(time.time()))
 '''
-
-
-@dataclass
-class Env:
-    dir: Path
-    module: str
-    mod: ModuleType
-    schema: str
-
-    @property
-    def app(self) -> Celery:
-        app: Celery = self.mod.app
-        return app
-
-    def task(self, name: str) -> Any:
-        return getattr(self.mod, name)
-
-    def lines(self, name: str) -> list[str]:
-        path = self.dir / name
-        return path.read_text().splitlines() if path.exists() else []
 
 
 def _result_schema(pg_dsn: str, name: str, *, create: bool) -> None:
