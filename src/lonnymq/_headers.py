@@ -3,7 +3,8 @@ de-duplication name, delay, priority, time to live."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+import sys
+from datetime import datetime, timezone, tzinfo
 from typing import Any
 
 from .exceptions import InvalidArgument
@@ -43,8 +44,46 @@ def expiration_ms(value: Any) -> float | None:
     return max(0.0, ms)
 
 
+def celery_zone() -> tzinfo:
+    """The zone a naive ``eta`` is in: the current Celery app's ``timezone`` setting (UTC
+    when unset and ``enable_utc`` is on, as in Celery) when Celery is loaded, else UTC."""
+    celery = sys.modules.get("celery")
+    if celery is not None:
+        try:
+            zone = celery.current_app.timezone
+        except Exception:  # a half-configured app: fall back to UTC
+            return timezone.utc
+        if isinstance(zone, tzinfo):
+            return zone
+    return timezone.utc
+
+
+def _parse_eta(eta: Any) -> datetime:
+    if isinstance(eta, datetime):
+        return eta
+    if isinstance(eta, str):
+        try:
+            return datetime.fromisoformat(eta)
+        except ValueError:
+            raise InvalidArgument(f"eta header is not an ISO 8601 datetime: {eta!r}") from None
+    raise InvalidArgument(f"eta header is not a datetime: {eta!r}")
+
+
+def make_eta_aware(headers: dict[str, Any], zone: tzinfo | None = None) -> None:
+    """Give a naive ``eta`` header the zone of the Celery app (``zone``, else
+    :func:`celery_zone`), in place, so that the due time stored in Postgres and the eta the
+    worker reads agree (a Celery worker would otherwise take a naive eta as UTC)."""
+    eta = headers.get("eta")
+    if not eta:
+        return
+    when = _parse_eta(eta)
+    if when.tzinfo is None:
+        headers["eta"] = when.replace(tzinfo=zone or celery_zone()).isoformat()
+
+
 def delay_ms(headers: dict[str, Any]) -> float:
-    """Delay from Celery's ``eta`` header (ISO 8601; naive means UTC) or ``x-delay-ms``."""
+    """Delay from Celery's ``eta`` header (ISO 8601; a naive one is in the zone of
+    :func:`celery_zone`, see :func:`make_eta_aware`) or ``x-delay-ms``."""
     if headers.get("x-delay-ms") is not None:
         try:
             delay = float(headers["x-delay-ms"])
@@ -52,21 +91,13 @@ def delay_ms(headers: dict[str, Any]) -> float:
             raise InvalidArgument(
                 f"x-delay-ms must be a number of milliseconds, not {headers['x-delay-ms']!r}"
             ) from None
-        if delay < 0:
+        if delay != delay or delay < 0:
             raise InvalidArgument(f"x-delay-ms must not be negative, not {delay}")
         return delay
     eta = headers.get("eta")
     if not eta:
         return 0.0
-    if isinstance(eta, str):
-        try:
-            when = datetime.fromisoformat(eta)
-        except ValueError:
-            raise InvalidArgument(f"eta header is not an ISO 8601 datetime: {eta!r}") from None
-    elif isinstance(eta, datetime):
-        when = eta
-    else:
-        raise InvalidArgument(f"eta header is not a datetime: {eta!r}")
+    when = _parse_eta(eta)
     if when.tzinfo is None:
-        when = when.replace(tzinfo=timezone.utc)
+        when = when.replace(tzinfo=celery_zone())
     return max(0.0, (when - datetime.now(timezone.utc)).total_seconds() * 1000)

@@ -36,7 +36,7 @@ from celery import Celery, signals
 from kombu.serialization import dumps as serialize
 from kombu.utils.json import dumps as to_json
 
-from ._headers import delay_ms
+from ._headers import delay_ms, make_eta_aware
 from .migrator import DEFAULT_SCHEMA
 from .queue._ops import arun
 from .queue.routing import publish_op
@@ -98,9 +98,14 @@ def _before_publish(
     headers: dict[str, Any] | None = None,
     **_: Any,
 ) -> None:
-    if not sender or headers is None or headers.get("x-channel"):
+    if not sender or headers is None:
         return
     task = _task(sender)
+    if task is not None:
+        # a naive eta is in the app's timezone (not the current app's)
+        make_eta_aware(headers, task.app.timezone)
+    if headers.get("x-channel"):
+        return
     if task is None or not isinstance(body, (tuple, list)) or len(body) < 2:
         return
     args, kwargs = body[0], body[1]
@@ -141,6 +146,7 @@ async def apublish(
     content_type, encoding, data = serialize(message.body, serializer=app.conf.task_serializer)
     raw = data.encode(encoding or "utf-8") if isinstance(data, str) else data
     all_headers = {**message.headers, **(headers or {})}
+    make_eta_aware(all_headers, app.timezone)
     target = queue or getattr(task, "queue", None) or app.conf.task_default_queue
     if "x-channel" not in all_headers:
         channel = channel_for(task, list(args), kwargs)

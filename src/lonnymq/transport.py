@@ -331,6 +331,7 @@ class Channel(virtual.Channel):
     def _publish(self, message: dict[str, Any], exchange: str, routing_key: str) -> None:
         headers = message.get("headers") or {}
         props = message.get("properties") or {}
+        _headers.make_eta_aware(headers)
         op = publish_op(
             self.options.schema,
             exchange,
