@@ -83,6 +83,21 @@ def test_defer_with_delay(queue: lonnymq.Queue, conn: Conn) -> None:
     assert queue.dequeue(conn).messages[0].id == m.id
 
 
+def test_defer_goes_behind_requeue_keeps_place(queue: lonnymq.Queue, conn: Conn) -> None:
+    ch = queue.channel("a")
+    for body in (b"1", b"2", b"3"):
+        ch.message.create(conn, body)
+    first = queue.dequeue(conn, lock_ms=10_000).messages[0]
+    assert first.defer(conn) is Outcome.OK  # a retry: behind the messages already due
+    assert [m.content for m in queue.dequeue(conn, limit=10).messages] == [b"2", b"3", b"1"]
+    ch.message.create(conn, b"4")
+    ch.message.create(conn, b"5")
+    four = queue.dequeue(conn, lock_ms=10_000).messages[0]
+    assert four.content == b"4"
+    assert four.defer(conn, delay_ms=None) is Outcome.OK  # a requeue: back in its place
+    assert [m.content for m in queue.dequeue(conn, limit=10).messages] == [b"4", b"5"]
+
+
 def test_delay_on_create(queue: lonnymq.Queue, conn: Conn) -> None:
     queue.channel("a").message.create(conn, b"later", delay_ms=500)
     queue.channel("a").message.create(conn, b"now")

@@ -340,9 +340,10 @@ def test_pools_run_tasks_and_return_results(
 # 2. Retries
 
 
-# Known flaky (about 2 runs in 20 on a loaded 2-core machine): a run once stalled with neither
-# retried task finishing within 30 s; the cause is not found yet. Rerun, and investigate.
-@pytest.mark.flaky(reruns=2)
+# This test once failed about 1 run in 15: the rpc:// result backend gets a reply queue's
+# messages, acks the older states and requeues the latest; lonnymq's requeue put it behind the
+# older ones, so the next poll acked (lost) the result. Requeue now keeps the message's place
+# (tests/test_transport.py::test_requeue_keeps_the_message_in_its_place).
 def test_retries_wait_in_postgres_as_delayed(
     env: Env, workers: Callable[..., Worker], conn: Conn
 ) -> None:

@@ -217,6 +217,30 @@ def test_ack_reject_requeue(connection: Connection, conn: Conn, schema: str) -> 
     queue.close()
 
 
+def test_requeue_keeps_the_message_in_its_place(connection: Connection) -> None:
+    """As on RabbitMQ, a requeued message goes back where it was, ahead of later ones.
+    Celery's rpc:// result backend relies on it: it gets every state message of a reply
+    queue, acks the older ones and requeues the latest; were the latest put behind an older
+    one, the next poll would keep the older state and ack (lose) the result."""
+    channel = connection.default_channel
+    exchange = Exchange("replies", "direct")
+    queue = Queue("replies", exchange, "replies", channel=channel)
+    queue.declare()
+    producer = kombu.Producer(channel, exchange=exchange, routing_key="replies")
+    for state in ("PENDING", "RETRY", "SUCCESS"):
+        producer.publish({"state": state})
+    got = [queue.get(no_ack=False) for _ in range(3)]
+    assert [m.payload["state"] for m in got] == ["PENDING", "RETRY", "SUCCESS"]
+    got[0].ack()
+    got[2].requeue()  # the latest first (as Celery does), then an older one
+    got[1].requeue()
+    again = [queue.get(no_ack=False) for _ in range(2)]
+    assert [m.payload["state"] for m in again] == ["RETRY", "SUCCESS"]
+    for message in again:
+        message.ack()
+    assert queue.get() is None
+
+
 def test_late_ack_after_redelivery_is_harmless(
     make_connection: Callable[..., Connection], caplog: pytest.LogCaptureFixture
 ) -> None:

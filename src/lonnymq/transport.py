@@ -192,7 +192,11 @@ class Channel(virtual.Channel):
 
     def _finalize(self, ref: Held, *, requeue: bool, why: str) -> None:
         schema = self.options.schema
-        op = defer_op(schema, ref[0], ref[1]) if requeue else delete_op(schema, ref[0], ref[1])
+        op = (
+            defer_op(schema, ref[0], ref[1], delay_ms=None)
+            if requeue
+            else delete_op(schema, ref[0], ref[1])
+        )
         outcome = self._consume(op)
         if outcome is not Outcome.OK:
             logger.warning(
@@ -205,7 +209,7 @@ class Channel(virtual.Channel):
 
     def _defer_many(self, held: Iterable[Held]) -> None:
         for ref in held:
-            self._consume(defer_op(self.options.schema, ref[0], ref[1]))
+            self._consume(defer_op(self.options.schema, ref[0], ref[1], delay_ms=None))
 
     # -- exchanges, queues, bindings -----------------------------------------------------------
 

@@ -100,10 +100,11 @@ class Broker:
         message_id: int,
         lock_token: uuid.UUID,
         *,
-        delay_ms: float = 0,
+        delay_ms: float | None = 0,
         state: object = KEEP,
     ) -> Outcome:
-        """Unlock a held message; due again after ``delay_ms``, optionally with new state."""
+        """Unlock a held message; due again after ``delay_ms`` (``None``: back in its old
+        place), optionally with new state."""
         op = defer_op(self.schema, message_id, lock_token, delay_ms=delay_ms, state=state)
         return run(require_sync(conn), op)
 

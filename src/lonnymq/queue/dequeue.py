@@ -49,10 +49,11 @@ class Message:
         return run(require_sync(conn), delete_op(self.schema, self.id, self.lock_token))
 
     def defer(
-        self, conn: psycopg.Connection[Any], *, delay_ms: float = 0, state: object = KEEP
+        self, conn: psycopg.Connection[Any], *, delay_ms: float | None = 0, state: object = KEEP
     ) -> Outcome:
-        """Unlock the message; it is due again after ``delay_ms``. Pass ``state`` (bytes or
-        None) to replace the saved state; attempts are kept."""
+        """Unlock the message; it is due again after ``delay_ms``, behind the messages due
+        before then (``delay_ms=None``: back in its old place, ahead of later messages). Pass
+        ``state`` (bytes or None) to replace the saved state; attempts are kept."""
         op = defer_op(self.schema, self.id, self.lock_token, delay_ms=delay_ms, state=state)
         return run(require_sync(conn), op)
 

@@ -38,10 +38,16 @@ def defer_op(
     message_id: int,
     lock_token: uuid.UUID,
     *,
-    delay_ms: float = 0,
+    delay_ms: float | None = 0,
     state: object = KEEP,
 ) -> Op[Outcome]:
-    delay = _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS)
+    """Unlock a held message, due again ``delay_ms`` from now (behind the messages that are
+    due before then); ``delay_ms=None`` requeues it in its old place instead."""
+    delay = (
+        None
+        if delay_ms is None
+        else _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS)
+    )
     set_state = state is not KEEP
     data = _checks.optional_bytes(state, "state") if set_state else None
     params = (message_id, lock_token, delay, set_state, data)

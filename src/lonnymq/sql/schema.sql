@@ -641,7 +641,9 @@ BEGIN
     UPDATE {schema}.message m SET
         locked_until = NULL,
         lock_token = NULL,
-        dequeue_at = clock_timestamp() + p_delay_ms * interval '1 millisecond',
+        -- a NULL delay requeues: the message keeps its place (as RabbitMQ's requeue does)
+        dequeue_at = CASE WHEN p_delay_ms IS NULL THEN m.dequeue_at
+            ELSE clock_timestamp() + p_delay_ms * interval '1 millisecond' END,
         state = CASE WHEN p_set_state THEN p_state ELSE m.state END
     WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
     RETURNING m.channel_id, m.dequeue_at INTO v_channel_id, v_at;
