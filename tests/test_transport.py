@@ -10,6 +10,7 @@ from typing import Any
 
 import kombu
 import kombu.exceptions
+import kombu.messaging
 import psycopg
 import pytest
 from kombu.connection import Connection
@@ -226,7 +227,7 @@ def test_requeue_keeps_the_message_in_its_place(connection: Connection) -> None:
     exchange = Exchange("replies", "direct")
     queue = Queue("replies", exchange, "replies", channel=channel)
     queue.declare()
-    producer = kombu.Producer(channel, exchange=exchange, routing_key="replies")
+    producer = kombu.messaging.Producer(channel, exchange=exchange, routing_key="replies")
     for state in ("PENDING", "RETRY", "SUCCESS"):
         producer.publish({"state": state})
     got = [queue.get(no_ack=False) for _ in range(3)]
