@@ -580,7 +580,7 @@ $$;
 
 -- Release a held message's slot on its channel (after delete or defer).
 CREATE FUNCTION {schema}.channel_release_v1(
-    p_channel_id bigint, p_size_delta integer, p_due timestamptz
+    p_channel_id bigint, p_size_delta integer, p_due timestamptz, p_count integer DEFAULT 1
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -594,7 +594,7 @@ BEGIN
     END IF;
     v_new := v_old;
     v_new.current_size := GREATEST(0, v_old.current_size + p_size_delta);
-    v_new.current_concurrency := GREATEST(0, v_old.current_concurrency - 1);
+    v_new.current_concurrency := GREATEST(0, v_old.current_concurrency - p_count);
     IF p_due IS NOT NULL THEN
         v_due := GREATEST(p_due, v_old.served_at);
         IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
@@ -987,21 +987,39 @@ END;
 $$;
 
 
--- Delete (ack) many held messages, in id order. One outcome per id, as message_delete_v1.
+-- Delete (ack) many held messages. One outcome per id, as message_delete_v1.
 CREATE FUNCTION {schema}.message_delete_many_v1(p_ids bigint[], p_lock_tokens uuid[])
 RETURNS TABLE (message_id bigint, result_code text)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
+    v_gone bigint[];
+    v_channels bigint[];
     r record;
 BEGIN
+    -- by primary key from the array (never a join the planner could hash), each row with
+    -- the token given for it
+    WITH gone AS (
+        DELETE FROM {schema}.message m
+        WHERE m.id = ANY (p_ids)
+          AND m.lock_token = p_lock_tokens[array_position(p_ids, m.id)]
+          AND m.locked_until IS NOT NULL
+        RETURNING m.id, m.channel_id
+    )
+    SELECT array_agg(g.id), array_agg(g.channel_id) INTO v_gone, v_channels FROM gone g;
+    -- one update per channel, in id order (the same order for every caller)
     FOR r IN
-        SELECT h.id, h.lock_token FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
-        ORDER BY h.id
+        SELECT x.channel_id, count(*)::integer AS n FROM unnest(v_channels) AS x(channel_id)
+        GROUP BY x.channel_id ORDER BY x.channel_id
     LOOP
-        message_id := r.id;
-        result_code := {schema}.message_delete_v1(r.id, r.lock_token);
-        RETURN NEXT;
+        PERFORM {schema}.channel_release_v1(r.channel_id, -r.n, NULL, r.n);
     END LOOP;
+    RETURN QUERY
+        SELECT h.id,
+            CASE WHEN h.id = ANY (coalesce(v_gone, ARRAY[]::bigint[])) THEN 'ok'
+                 WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                     THEN 'state_invalid'
+                 ELSE 'not_found' END
+        FROM unnest(p_ids) AS h(id);
 END;
 $$;
 
