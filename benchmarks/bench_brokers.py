@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import hashlib
 import importlib.metadata
 import json
 import multiprocessing
@@ -168,7 +169,12 @@ def publish(producer: Producer, qname: str, body: Any, headers: Any = None) -> N
 def queue_count(spec: BrokerSpec, qname: str) -> int:
     with spec.connection() as conn:
         ch = conn.channel()
-        _, count, _ = ch.queue_declare(queue=qname, passive=True)
+        try:
+            _, count, _ = ch.queue_declare(queue=qname, passive=True)
+        except conn.channel_errors:
+            if spec.name == "redis":  # an empty Redis list does not exist: the queue "is not"
+                return 0
+            raise
         return int(count)
 
 
@@ -1100,6 +1106,17 @@ def _run(cmd: list[str], timeout: float = 30) -> str | None:
         return None
 
 
+def src_digest() -> str:
+    """sha256 of lonnymq's source files as they are now (src/ may change during a run: spawned
+    workers and Celery workers import it afresh)."""
+    digest = hashlib.sha256()
+    src = HERE.parent / "src" / "lonnymq"
+    for path in sorted(src.rglob("*")):
+        if path.is_file() and path.suffix in (".py", ".sql"):
+            digest.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
 def environment(brokers: list[BrokerSpec]) -> dict[str, Any]:
     env: dict[str, Any] = {"python": sys.version.split()[0], "platform": platform.platform()}
     env["cpus"] = os.cpu_count()
@@ -1112,6 +1129,7 @@ def environment(brokers: list[BrokerSpec]) -> dict[str, Any]:
     env["lonnymq_git_commit"] = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
     changes = _run(["git", "-C", str(root), "status", "--porcelain", "--", "src"])
     env["lonnymq_src_uncommitted"] = [x for x in (changes or "").split("\n") if x]
+    env["lonnymq_src_sha256_at_start"] = src_digest()
     with pg_conn() as pg:
         row = pg.execute("SELECT version()").fetchone()
         settings: dict[str, Any] = {"version": row[0] if row else None}
@@ -1349,6 +1367,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "durability": "delivery_mode=2, durable queues and exchange; RabbitMQ publisher "
             "confirms; Postgres server settings as recorded; Redis server config as recorded",
         },
+        "lonnymq_src_sha256_at_end": src_digest(),
+        "lonnymq_src_uncommitted_at_end": [
+            x
+            for x in (
+                _run(["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "src"]) or ""
+            ).split("\n")
+            if x
+        ],
+        "lonnymq_git_commit_at_end": _run(["git", "-C", str(HERE.parent), "rev-parse", "HEAD"]),
         "scenario_load_before": bench.results.scenario_load,
         "load_average_at_end": os.getloadavg(),
         "total_seconds": total_s,
