@@ -735,3 +735,133 @@ def test_consumer_commit_async_is_transaction_local(
         assert pg.execute("SHOW synchronous_commit").fetchone() == ("on",)
         assert lonnymq.Broker(schema).queue(f"commit-{mode}").stats(conn).total == 0
         simple.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Acks sent with the next dequeue (lonnymq._acks)
+
+
+def _count(conn: Conn, schema: str, queue: str) -> int:
+    return lonnymq.Broker(schema).queue(queue).stats(conn).total
+
+
+def test_callback_acks_are_applied_when_drain_events_returns(
+    connection: Connection, conn: Conn, schema: str
+) -> None:
+    """Acks made in callbacks ride with the next dequeue; none is left unsent once
+    drain_events returns, whatever the prefetch window."""
+    queue = Queue("ridealong")
+    producer = connection.Producer()
+    for i in range(30):
+        producer.publish(i, routing_key="ridealong", declare=[queue])
+    received: list[int] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=1)
+        while len(received) < 30:
+            connection.drain_events(timeout=5)
+            # every message delivered so far is acked in Postgres already
+            assert _count(conn, schema, "ridealong") == 30 - len(received)
+    assert received == list(range(30))
+
+
+def test_ack_from_another_thread_returns_after_the_delete(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """While the consumer waits in drain_events, an ack from another thread is sent by the
+    consumer (with its next dequeue), and ack() returns once the row is gone."""
+    connection = make_connection(polling_interval=30)
+    queue = Queue("handoff")
+    connection.Producer().publish("only", routing_key="handoff", declare=[queue])
+    held: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: held.append(message)]):
+        drain(connection, lambda: len(held) == 1)
+        stop = threading.Event()
+
+        def consume() -> None:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    connection.drain_events(timeout=0.3)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        try:
+            time.sleep(0.2)  # the consumer is waiting now (queue empty, window full)
+            started = time.monotonic()
+            held[0].ack()
+            took = time.monotonic() - started
+            assert _count(conn, schema, "handoff") == 0
+            assert took < 2, took
+        finally:
+            stop.set()
+            consumer.join(timeout=10)
+
+
+def test_ack_from_another_thread_during_a_long_callback(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """An ack from another thread while the consumer is busy in a callback does not wait
+    for the callback: it is sent by the acking thread."""
+    connection = make_connection(polling_interval=30)
+    queue = Queue("busy")
+    producer = connection.Producer()
+    for i in range(2):
+        producer.publish(i, routing_key="busy", declare=[queue])
+    release = threading.Event()
+    acked_in: list[float] = []
+    messages: list[Any] = []
+
+    def ack_first() -> None:
+        started = time.monotonic()
+        messages[0].ack()
+        acked_in.append(time.monotonic() - started)
+        assert _count(conn, schema, "busy") == 1
+        release.set()
+
+    def on_message(body: Any, message: Any) -> None:
+        messages.append(message)
+        if body == 1:  # the second message: ack the first from another thread, wait for it
+            thread = threading.Thread(target=ack_first)
+            thread.start()
+            assert release.wait(10), "the ack from the other thread hung"
+            thread.join()
+            message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=2)
+        drain(connection, lambda: len(messages) == 2)
+    assert acked_in and acked_in[0] < 2
+    assert _count(conn, schema, "busy") == 0
+
+
+def test_buffered_acks_survive_a_lost_connection(
+    connection: Connection, conn: Conn, schema: str
+) -> None:
+    """If the round trip carrying buffered acks fails (the backend was killed), the acks are
+    kept and sent on the next call, on a new connection: no redelivery."""
+    queue = Queue("cut")
+    producer = connection.Producer()
+    for i in range(3):
+        producer.publish(i, routing_key="cut", declare=[queue])
+    received: list[int] = []
+    transport = connection.transport
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()
+        if body == 0:  # the ack is buffered: kill the connection that would send it
+            pid = transport.pg.connection().info.backend_pid
+            conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=1)
+        deadline = time.monotonic() + 20
+        while len(received) < 3 or _count(conn, schema, "cut") > 0:
+            assert time.monotonic() < deadline, (received, _count(conn, schema, "cut"))
+            with contextlib.suppress(TimeoutError, *connection.connection_errors):
+                connection.drain_events(timeout=0.5)
+    assert received == [0, 1, 2]  # each once: the ack of 0 was not lost

@@ -28,10 +28,11 @@ from psycopg import sql
 from . import migrator
 from ._url import mask_password
 from .exceptions import ConnectionLost, SchemaNotInstalled
-from .queue._ops import Op, run, translate
+from .queue._ops import Op, run, run_pipeline, translate
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
+U = TypeVar("U")
 
 # Connections inherited across fork: kept referenced forever in the child so that their
 # finalizers never send a Terminate message down the parent's socket.
@@ -156,6 +157,16 @@ class PgClient(_Forkable):
             conn = self.connection()
             try:
                 return run(conn, op)
+            except ConnectionLost:
+                self.discard()
+                raise
+
+    def run_pipeline(self, first: Op[T], second: Op[U]) -> tuple[T, U]:
+        """Run two operations in one round trip, reconnecting first if needed."""
+        with self._lock:
+            conn = self.connection()
+            try:
+                return run_pipeline(conn, first, second)
             except ConnectionLost:
                 self.discard()
                 raise

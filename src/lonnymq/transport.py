@@ -49,7 +49,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from queue import Empty
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import psycopg
 from amqp.protocol import queue_declare_ok_t
@@ -59,6 +59,7 @@ from kombu.transport.virtual.exchange import TopicExchange
 from kombu.utils.json import dumps, loads
 
 from . import _headers, _url
+from ._acks import Ack, AckBuffer
 from ._heartbeat import Heartbeat
 from ._options import Options
 from ._pg import PgClient, Waiter
@@ -124,20 +125,35 @@ class QoS(virtual.QoS):
 
     def _settle(self, delivery_tag: str, *, requeue: bool, why: str) -> None:
         """Delete or release the row, and free the prefetch slot even if that fails (the
-        message then comes back when its lock expires)."""
+        message then comes back when its lock expires). A delete may be handed to the
+        thread draining events, which sends it with its next dequeue (see ``_acks``)."""
         ref = self._release(delivery_tag)
         full = self._window_full()
+        transport = self.channel.connection
+        if ref is not None and not requeue:
+            ack = transport.acks.offer(ref)
+            if ack is not None:
+                self._quick_ack(delivery_tag)
+                if ack.sent is None:
+                    return  # the drainer's own: goes with its next round trip
+                transport.wake()
+                if transport.acks.wait(ack):
+                    return
+                # not taken in time, or its send failed: send it here
+                self.channel._finalize(ref, requeue=False, why=why)
+                return
         try:
             if ref is not None:
                 self.channel._finalize(ref, requeue=requeue, why=why)
         finally:
             self._quick_ack(delivery_tag)
             if full:
-                self.channel.connection.wake()  # the consumer may fetch again
+                transport.wake()  # the consumer may fetch again
 
     def restore_unacked(self) -> list[tuple[BaseException, Any]]:
         """Unlock every held message (same rows, no copies), e.g. at shutdown."""
         self._flush()
+        self.channel.connection.send_acks(self.channel.connection.acks.take())
         with self._held_lock:
             held, self._held = list(self._held.values()), {}
         self._delivered.clear()
@@ -438,7 +454,10 @@ class Channel(virtual.Channel):
         free = self.qos.can_consume_max_estimate()
         limit = min(free or self.options.batch_size, self.options.batch_size)
         queues = list(dict.fromkeys(self._active_queues))
-        result = self._dequeue(queues, limit)
+        op = dequeue_op(self.options.schema, queues, limit=limit, lock_ms=self.options.lock_ms)
+        result: DequeueResult = self.connection.send_acks(
+            self.connection.acks.take(), then=self.connection.consumer_op(op)
+        )
         if not result.messages:
             return 0, result.retry_ms
         batch = self._decodable(result.messages)
@@ -453,6 +472,8 @@ class Channel(virtual.Channel):
             if message.queue not in self._no_ack_queues:
                 self.qos.hold(self._tag(message), (message.id, message.lock_token))
         delivered = 0
+        acks = self.connection.acks
+        acks.delivering(True)
         try:
             for message, payload in batch:
                 delivered += 1
@@ -464,6 +485,8 @@ class Channel(virtual.Channel):
             with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
                 self._defer_many((m.id, m.lock_token) for m in rest)
             raise
+        finally:
+            acks.delivering(False)
         return delivered, None
 
     def _decodable(self, messages: list[QueueMessage]) -> list[tuple[QueueMessage, dict[str, Any]]]:
@@ -540,9 +563,39 @@ class Transport(virtual.Transport):
         self._heartbeat: Heartbeat | None = None
         self._said_polling = False
         self._policies_applied = False
+        self.acks = AckBuffer()
 
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
+
+    @overload
+    def send_acks(self, acks: list[Ack], then: None = None) -> None: ...
+    @overload
+    def send_acks(self, acks: list[Ack], then: Op[T]) -> T: ...
+    def send_acks(self, acks: list[Ack], then: Op[T] | None = None) -> T | None:
+        """Delete the buffered ``acks`` and run ``then`` (a dequeue) in one round trip.
+        When that fails, the acks go back to the buffer (or to the threads that made them)."""
+        if not acks:
+            return None if then is None else self.pg.run(then)
+        ack_op = self.consumer_op(delete_many_op(self.options.schema, [ack.ref for ack in acks]))
+        try:
+            if then is None:
+                outcomes, result = self.pg.run(ack_op), None
+            else:
+                outcomes, result = self.pg.run_pipeline(ack_op, then)
+        except BaseException:
+            self.acks.put_back(acks)
+            raise
+        self.acks.done(acks)
+        for message_id, outcome in outcomes.items():
+            if outcome is not Outcome.OK:
+                logger.warning(
+                    "lonnymq: ack of message %d ignored: %s (its lock expired and it was "
+                    "delivered again, or it is gone)",
+                    message_id,
+                    outcome.value,
+                )
+        return result
 
     @classmethod
     def as_uri(cls, uri: str, include_password: bool = False, mask: str = "**") -> str:
@@ -614,7 +667,20 @@ class Transport(virtual.Transport):
         self.waiter.wait(seconds, queues)
 
     def drain_events(self, connection: Any, timeout: float | None = None, **kwargs: Any) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.acks.begin():  # another thread drains: no ack buffering for this one
+            return self._drain(timeout, owner=False)
+        try:
+            return self._drain(timeout, owner=True)
+        finally:
+            self.send_acks(self.acks.end())
+
+    def _drain(self, timeout: float | None, *, owner: bool) -> None:
+        """Fetch and deliver; wait (LISTEN, timers) while there is nothing. The owner of the
+        ack buffer keeps fetching (each dequeue carrying the acks of the messages delivered
+        before it) while deliveries keep coming, up to ``batch_size`` messages or 50 ms."""
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        total = 0
         while True:
             delivered = 0
             retry_ms: int | None = None
@@ -628,7 +694,15 @@ class Transport(virtual.Transport):
                 if retry is not None:
                     retry_ms = retry if retry_ms is None else min(retry_ms, retry)
             if delivered:
+                total += delivered
+                if owner and total < self.options.batch_size and time.monotonic() - started < 0.05:
+                    continue
                 return
+            if total:
+                return
+            if owner and self.acks.pending():
+                self.send_acks(self.acks.take())
+                continue  # acks free prefetch room: look again before sleeping
             wait = self.options.polling_interval
             if retry_ms is not None:
                 wait = min(wait, retry_ms / 1000 + 0.001)
