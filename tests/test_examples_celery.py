@@ -43,6 +43,32 @@ def test_celery_demo(pg_dsn: str) -> None:
     assert lines[2:] == ["countdown=1 task -> 42", "worker stopped (exit code 0)"]
 
 
+def test_demo(pg_dsn: str) -> None:
+    """The README's demo: a real worker, four tenants, the small ones finish first."""
+    lines = run(pg_dsn, "demo.py", timeout=240)
+    assert lines[:5] == [
+        "enqueued 400 tasks for tenant acme",
+        "enqueued 100 tasks for tenant globex",
+        "enqueued 20 tasks for tenant initech",
+        "enqueued 5 tasks for tenant hooli",
+        "queue 'celery': 525 messages in 4 channels; starting a worker",
+    ]
+    assert any(re.match(r"\[ *[0-9.]+s\] +[0-9]+/525 completed \| acme", line) for line in lines)
+    assert re.match(r"\[ *[0-9.]+s\] 525/525 completed", lines[-6]), lines[-6]
+    assert lines[-5] == "each tenant's last task completed at position (of 525):"
+    last = {}
+    for line in lines[-4:]:
+        match = re.fullmatch(r"  (\w+) +(\d+) tasks: (\d+)", line)
+        assert match, line
+        last[match.group(1)] = int(match.group(3))
+    # round-robin over 4 channels: hooli's 5 tasks are done within the first ~4 rounds, not
+    # after the 520 tasks enqueued before them
+    assert last["hooli"] <= 30, last
+    assert last["initech"] <= 90, last
+    assert last["globex"] <= 260, last
+    assert last["acme"] == 525
+
+
 def test_multi_tenant(pg_dsn: str) -> None:
     lines = run(pg_dsn, "multi_tenant.py")
     assert lines[0] == "enqueued 200 tasks for tenant big, then 5 for tenant small"
