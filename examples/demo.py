@@ -33,38 +33,48 @@ from lonnymq.testing import database
 HERE = Path(__file__).resolve().parent
 TENANTS = {"acme": 400, "globex": 100, "initech": 20, "hooli": 5}
 
-app = Celery("demo")
+# The worker imports this module: it gets its settings from the environment the script sets.
+DSN = os.environ.get("DATABASE_URL", "postgresql://postgres@localhost:5432/postgres")
+SCHEMA = os.environ.get("LONNYMQ_EXAMPLE_SCHEMA", "lonnymq_demo")
+BROKER_URL = "lonnymq://" + DSN.split("://", 1)[1]  # lonnymq://user:password@host:5432/db
+
+# --8<-- [start:celery]
+app = Celery("demo", broker=BROKER_URL)
 app.conf.update(
-    task_acks_late=True,  # a task counts against its tenant's max_concurrency until it ends
-    worker_prefetch_multiplier=1,  # the worker takes a task when it has a free thread
+    broker_transport_options={
+        "schema": SCHEMA,  # the Postgres schema holding the queues (default "lonnymq")
+        # tenant acme may run at most 2 tasks at a time; the others are not limited
+        "policies": {"celery": {"channels": {"acme": {"max_concurrency": 2}}}},
+    },
+    task_acks_late=True,  # a task counts against its tenant's limit until it ends...
+    worker_prefetch_multiplier=1,  # ...and a worker takes a task only when it can run it
     broker_connection_retry_on_startup=True,
     task_ignore_result=True,
 )
 lonnymq.celery.setup(app)  # enables the lonnymq_channel task option
-DSN = SCHEMA = ""
-
-
-def configure(dsn: str, schema: str) -> None:
-    global DSN, SCHEMA
-    DSN, SCHEMA = dsn, schema
-    app.conf.broker_url = "lonnymq://" + dsn.split("://", 1)[1]
-    app.conf.broker_transport_options = {
-        "schema": schema,
-        "policies": {"celery": {"channels": {"acme": {"max_concurrency": 2}}}},
-    }
-
-
-# The worker imports this module: it gets its settings from the environment the script sets.
-configure(
-    os.environ.get("DATABASE_URL", "postgresql://postgres@localhost:5432/postgres"),
-    os.environ.get("LONNYMQ_EXAMPLE_SCHEMA", "lonnymq_demo"),
-)
 
 
 @app.task(name="demo.work", lonnymq_channel="tenant")  # type: ignore[untyped-decorator]
 def work(tenant: str, n: int) -> None:
-    """The "work" (20 ms), then a row in ``<schema>.done``, whose id is the completion order."""
-    time.sleep(0.02)
+    """Each tenant's calls go to a channel of their own, served round-robin."""
+    time.sleep(0.02)  # the "work"
+    record_completion(tenant, n)
+
+
+# --8<-- [end:celery]
+
+
+def configure(dsn: str, schema: str) -> None:
+    """Point the app at ``dsn`` and ``schema`` (the script's throwaway database)."""
+    global DSN, SCHEMA
+    DSN, SCHEMA = dsn, schema
+    app.conf.broker_url = "lonnymq://" + dsn.split("://", 1)[1]
+    options = dict(app.conf.broker_transport_options)
+    app.conf.broker_transport_options = options | {"schema": schema}
+
+
+def record_completion(tenant: str, n: int) -> None:
+    """A row in ``<schema>.done``, whose id is the completion order."""
     with psycopg.connect(DSN, autocommit=True) as conn:
         query = sql.SQL("INSERT INTO {} (tenant, n) VALUES (%s, %s)")
         conn.execute(query.format(sql.Identifier(SCHEMA, "done")), (tenant, n))

@@ -65,3 +65,39 @@ def test_channel_option_naming_no_argument(
     bad.delay(1)  # Celery logs the signal handler's error; the message is not lost
     assert "lonnymq_channel names no argument 'nope'" in caplog.text
     assert channels(conn, schema) == ["celery"]
+
+
+def test_full_channel_raises_in_the_caller(app: Celery, conn: Conn, schema: str) -> None:
+    """apply_async to a channel at max_size raises lonnymq.ChannelFull in the caller (not
+    retried by Celery's publish retry), and nothing is written."""
+
+    @app.task(name="helpers.job", lonnymq_channel="tenant")  # type: ignore[untyped-decorator]
+    def job(tenant: str, n: int) -> None: ...
+
+    broker = lonnymq.Broker(schema)
+    broker.install(conn)
+    broker.queue("celery").channel("small").policy.set(conn, max_size=2)
+    job.delay("small", 1)
+    job.delay("small", 2)
+    with pytest.raises(lonnymq.ChannelFull) as err:
+        job.delay("small", 3)
+    assert "small" in str(err.value)
+    job.delay("other", 1)  # other tenants are not affected
+    stats = broker.queue("celery").stats(conn)
+    assert stats.total == 3
+
+
+def test_dedup_header_makes_a_second_enqueue_a_no_op(app: Celery, conn: Conn, schema: str) -> None:
+    @app.task(name="helpers.refresh")  # type: ignore[untyped-decorator]
+    def refresh(key: str) -> None: ...
+
+    for _ in range(3):
+        refresh.apply_async(("k1",), headers={"x-dedup-name": "refresh:k1"})
+    refresh.apply_async(("k2",), headers={"x-dedup-name": "refresh:k2"})
+    got = lonnymq.Broker(schema).dequeue(conn, ["celery"], limit=10, lock_ms=60_000).messages
+    assert sorted(m.name or "" for m in got) == ["refresh:k1", "refresh:k2"]
+    for message in got:
+        message.delete(conn)
+    # once the first was delivered, the same name may be enqueued again
+    refresh.apply_async(("k1",), headers={"x-dedup-name": "refresh:k1"})
+    assert lonnymq.Broker(schema).queue("celery").stats(conn).total == 1

@@ -24,6 +24,11 @@ def test_readme_quickstart_is_the_example() -> None:
     assert snippet.strip() in (ROOT / "README.md").read_text()
 
 
+def test_readme_celery_quickstart_is_the_demo() -> None:
+    snippet = _snippet(ROOT / "examples" / "demo.py", "celery")
+    assert snippet.strip() in (ROOT / "README.md").read_text()
+
+
 def test_quickstart_runs(pg_dsn: str) -> None:
     env = os.environ | {"DATABASE_URL": pg_dsn}
     out = subprocess.run(
