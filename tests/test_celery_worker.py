@@ -104,6 +104,21 @@ def auto(key):
     return "ok:" + key
 
 
+@app.task(
+    name="t.backoff",
+    autoretry_for=(ValueError,),
+    retry_backoff=True,
+    retry_jitter=False,
+    max_retries=5,
+    shared=False,
+)
+def backoff(key):
+    append(key, f"try {time.time()}")
+    if len(lines(key)) < 3:
+        raise ValueError("not yet")
+    return "ok:" + key
+
+
 @app.task(name="t.slow_late", acks_late=True, shared=False)
 def slow_late():
     append("slow_starts", json.dumps([os.getpid(), time.time()]))
@@ -356,22 +371,28 @@ def test_retries_wait_in_postgres_as_delayed(
     worker = workers("--pool", "threads", "-c", "2")
     flaky = env.task("flaky").delay("flaky")
     auto = env.task("auto").delay("auto")
+    backoff = env.task("backoff").delay("backoff")
     seen_delayed = 0
-    deadline = time.monotonic() + 30
-    while not (flaky.ready() and auto.ready()) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 40
+    while not (flaky.ready() and auto.ready() and backoff.ready()) and time.monotonic() < deadline:
         delayed = stats(conn, env.schema).delayed or 0
         seen_delayed = max(seen_delayed, delayed)
         time.sleep(0.05)
     assert flaky.get(timeout=5) == "ok:flaky", worker.log_tail()
     assert auto.get(timeout=5) == "ok:auto", worker.log_tail()
-    assert len(env.lines("flaky")) == 3
-    assert len(env.lines("auto")) == 3
+    assert backoff.get(timeout=5) == "ok:backoff", worker.log_tail()
+    for key in ("flaky", "auto", "backoff"):
+        assert len(env.lines(key)) == 3
     assert seen_delayed >= 1  # a retry waits in Postgres, not in the worker
     # each retry came about a second after the try before it
     for key in ("flaky", "auto"):
         times = [float(line.split()[1]) for line in env.lines(key)]
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert all(0.8 <= gap < 10 for gap in gaps), (key, gaps)
+    # retry_backoff: 1 s, then 2 s
+    times = [float(line.split()[1]) for line in env.lines("backoff")]
+    first, second = (b - a for a, b in itertools.pairwise(times))
+    assert 0.8 <= first < 10 and 1.8 <= second < 12 and second > first, (first, second)
     final = stats(conn, env.schema)
     assert final.total == 0
 
@@ -426,6 +447,12 @@ def test_remote_control(env: Env, workers: Callable[..., Worker], conn: Conn) ->
         if pong:
             break
     assert pong == {"ok": "pong"}, worker.log_tail()
+
+    # stats: the worker reports the lonnymq broker
+    info = node_of(app.control.inspect(timeout=3).stats(), worker)
+    assert info is not None, worker.log_tail()
+    assert info["broker"]["transport"] == "lonnymq"
+    assert info["pool"]["max-concurrency"] == 2
 
     # active
     running = env.task("sleeper").delay(3, "sleeper")
