@@ -100,6 +100,10 @@ def make_brokers(names: Sequence[str], token: str) -> tuple[list[BrokerSpec], di
         elif name == "redis":
             out.append(BrokerSpec(name, REDIS_URL, {}))
         elif name == "sqla":
+            why = sqla_unavailable()
+            if why:
+                missing[name] = why
+                continue
             out.append(
                 BrokerSpec(
                     name,
@@ -120,6 +124,29 @@ def make_brokers(names: Sequence[str], token: str) -> tuple[list[BrokerSpec], di
         else:
             raise SystemExit(f"unknown broker {name!r}; known: {', '.join(ALL_BROKERS)}")
     return out, missing
+
+
+def sqla_unavailable() -> str | None:
+    """kombu's SQLAlchemy transport names its index ``ix_kombu_message_timestamp_id`` whatever
+    the table is called, and index names are unique per schema: with one already there (a
+    kombu_message table, or the tables a killed run of this benchmark left), it cannot create
+    its tables."""
+    with psycopg.connect(PG_DSN, autocommit=True) as pg:
+        row = pg.execute(
+            "SELECT tablename FROM pg_indexes WHERE schemaname = 'public' "
+            "AND indexname = 'ix_kombu_message_timestamp_id'"
+        ).fetchone()
+    if row:
+        return (
+            f"index ix_kombu_message_timestamp_id already exists (on table {row[0]}); kombu's "
+            "SQLAlchemy transport would fail to create its tables. Drop that table (a killed "
+            "run of this benchmark leaves bench_km_*/bench_kq_*) or use another database"
+        )
+    return None
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(f"terminated by signal {signum}")  # runs the cleanup in main()'s finally
 
 
 def pgmq_unavailable() -> str | None:
@@ -180,7 +207,10 @@ def queue_count(spec: BrokerSpec, qname: str) -> int:
 
 def delete_queue(spec: BrokerSpec, qname: str) -> None:
     with contextlib.suppress(Exception), spec.connection() as conn:
-        kombu_queue(qname)(conn.channel()).delete()
+        q = kombu_queue(qname)(conn.channel())
+        # kombu's virtual transports (Redis) delete only the bindings this channel knows of
+        q.declare()
+        q.delete()
 
 
 # --------------------------------------------------------------------------------------------
@@ -1320,6 +1350,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     token = secrets.token_hex(4)
     names = [b.strip() for b in args.brokers.split(",") if b.strip()]
     brokers, missing = make_brokers(names, token)
