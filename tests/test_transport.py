@@ -192,7 +192,7 @@ def test_bindings_persist_across_connections(
     simple = second.SimpleQueue(Queue("sq", exchange, routing_key="a.*"))
     assert simple.get(timeout=5).payload == {"n": 1}
     channel = second.default_channel
-    assert ("a.*", "^a\\.[^\\.]+$", "sq") in channel.get_table("shared")
+    assert ("a.*", "^a\\.[^.]*$", "sq") in channel.get_table("shared")
     simple.close()
 
 
@@ -865,3 +865,31 @@ def test_buffered_acks_survive_a_lost_connection(
             with contextlib.suppress(TimeoutError, *connection.connection_errors):
                 connection.drain_events(timeout=0.5)
     assert received == [0, 1, 2]  # each once: the ack of 0 was not lost
+
+
+TOPIC_CASES = [
+    ("a.b", {"a.b": True, "a.c": False, "a.b.c": False}),
+    ("a.*", {"a.b": True, "a": False, "a.b.c": False}),
+    ("a.#", {"a": True, "a.b": True, "a.b.c": True, "ab": False}),
+    ("#.b", {"b": True, "a.b": True, "x.y.b": True, "ab": False}),
+    ("a.#.b", {"a.b": True, "a.x.b": True, "a.x.y.b": True, "a.xb": False}),
+    ("#", {"": True, "a": True, "a.b.c": True}),
+    ("a.#.#.b", {"a.b": True, "a.x.y.b": True, "b": False}),
+    ("*.*", {"a.b": True, "a": False, "a.b.c": False}),
+    ("*0", {"*0": True, "x0": False}),  # a wildcard inside a word is literal
+    ("0*", {"0*": True, "00": False, "0": False}),
+    ("p.(x)|[y]+?\\d^$", {"p.(x)|[y]+?\\d^$": True, "p.x": False}),
+    ("usd.€+é", {"usd.€+é": True, "usd.€é": False}),
+]
+
+
+@pytest.mark.parametrize(("key", "expected"), TOPIC_CASES, ids=[k for k, _ in TOPIC_CASES])
+def test_topic_patterns_in_postgres(conn: Conn, key: str, expected: dict[str, bool]) -> None:
+    """Topic binding keys as Postgres regular expressions: AMQP's * (one word) and # (zero or
+    more words) as whole words; every other character literal."""
+    from lonnymq.queue.routing import topic_pattern
+
+    pattern = topic_pattern(key)
+    for routing_key, matches in expected.items():
+        row = conn.execute("SELECT %s::text ~ %s::text", (routing_key, pattern)).fetchone()
+        assert row is not None and row[0] is matches, (key, pattern, routing_key)

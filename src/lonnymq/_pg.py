@@ -160,6 +160,10 @@ class PgClient(_Forkable):
             except ConnectionLost:
                 self.discard()
                 raise
+            except SchemaNotInstalled:
+                if not self._reinstall(conn):
+                    raise
+                return run(conn, op)
 
     def run_pipeline(self, first: Op[T], second: Op[U]) -> tuple[T, U]:
         """Run two operations in one round trip, reconnecting first if needed."""
@@ -170,6 +174,20 @@ class PgClient(_Forkable):
             except ConnectionLost:
                 self.discard()
                 raise
+            except SchemaNotInstalled:
+                if not self._reinstall(conn):
+                    raise
+                return run_pipeline(conn, first, second)
+
+    def _reinstall(self, conn: psycopg.Connection[Any]) -> bool:
+        """The schema (or part of it) went away since this process checked it: with
+        auto_install, install (repair) it again; True when the caller may retry."""
+        if not self.auto_install:
+            return False
+        logger.warning("lonnymq: schema %r is missing or incomplete: installing it", self.schema)
+        _INSTALLED.discard((self.conninfo, self.schema))
+        self._ensure_schema(conn)
+        return True
 
     def discard(self) -> None:
         """Forget the connection (after an error); the next call reconnects."""

@@ -20,8 +20,11 @@ from .exceptions import ConfigurationError
 
 SCHEMES = ("lonnymq", "postgresql", "postgres")
 _PASSWORD_IN_URL = re.compile(r"^([a-z0-9+.-]+://[^:/@?#]*:)([^@/?#]*)(@)", re.IGNORECASE)
-_PASSWORD_IN_QUERY = re.compile(r"([?&]password=)([^&]*)", re.IGNORECASE)
-_PASSWORD_IN_KV = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+# password and sslpassword (the passphrase of the client key), in a URL query or key=value
+_PASSWORD_IN_QUERY = re.compile(r"([?&](?:ssl)?password=)([^&#]*)", re.IGNORECASE)
+_PASSWORD_IN_KV = re.compile(
+    r"((?<![?&\w])(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)", re.IGNORECASE
+)
 
 
 def mask_password(text: str, mask: str = "**") -> str:
@@ -51,7 +54,45 @@ def to_conninfo(url: str) -> str:
     for port in str(params.get("port") or "").split(","):
         if port and not (port.isdigit() and 0 < int(port) < 65536):
             raise ConfigurationError(f"invalid port {port!r} in broker URL {mask_password(url)!r}")
+    check_params(params, url)
     return url
+
+
+#: libpq parameters whose value is one of a few words: a typo is a configuration error (which
+#: kombu and Celery do not retry), not a connection failure to retry forever.
+_CHOICES = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "channel_binding": ("disable", "prefer", "require"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+    "load_balance_hosts": ("disable", "random"),
+    "sslnegotiation": ("postgres", "direct"),
+}
+_INTEGERS = ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval")
+
+
+def check_params(params: dict[str, Any], url: str) -> None:
+    for key, choices in _CHOICES.items():
+        value = params.get(key)
+        if value is not None and str(value) not in choices:
+            raise ConfigurationError(
+                f"invalid {key} {str(value)!r} in broker URL {mask_password(url)!r}: "
+                f"expected one of {', '.join(choices)}"
+            )
+    for key in _INTEGERS:
+        value = params.get(key)
+        if value is not None and not str(value).strip().lstrip("-").isdigit():
+            raise ConfigurationError(
+                f"invalid {key} {str(value)!r} in broker URL {mask_password(url)!r}: "
+                "expected an integer"
+            )
 
 
 def from_fields(

@@ -116,6 +116,43 @@ def fresh_install_sql(schema: str = DEFAULT_SCHEMA) -> str:
     )
 
 
+_OBJECT_RE = re.compile(
+    r"^CREATE (?:UNIQUE )?(TABLE|INDEX|FUNCTION) (?:\{schema\}\.)?(\w+)", re.MULTILINE
+)
+
+
+@cache
+def expected_objects() -> tuple[tuple[str, str], ...]:
+    """``(kind, name)`` of every table, index and function of the current schema."""
+    return tuple((kind.lower(), name) for kind, name in _OBJECT_RE.findall(_read("schema.sql")))
+
+
+def missing_objects(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """The objects of the current schema that are not in ``schema`` (dropped by hand)."""
+    rows = conn.execute(
+        "SELECT c.relname FROM pg_catalog.pg_class c "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'i') "
+        "UNION ALL SELECT p.proname FROM pg_catalog.pg_proc p "
+        "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+        (schema, schema),
+    ).fetchall()
+    present = {row[0] for row in rows}
+    return [f"{kind} {name}" for kind, name in expected_objects() if name not in present]
+
+
+def repair_sql(schema: str = DEFAULT_SCHEMA) -> str:
+    """The current schema as idempotent SQL: creates what is missing, keeps tables and their
+    rows, replaces the functions with their current definitions."""
+    text = _read("schema.sql")
+    text = re.sub(r"^CREATE TABLE ", "CREATE TABLE IF NOT EXISTS ", text, flags=re.MULTILINE)
+    text = re.sub(
+        r"^CREATE (UNIQUE )?INDEX ", r"CREATE \1INDEX IF NOT EXISTS ", text, flags=re.MULTILINE
+    )
+    text = re.sub(r"^CREATE FUNCTION ", "CREATE OR REPLACE FUNCTION ", text, flags=re.MULTILINE)
+    return render(text, schema).as_string()
+
+
 def _lock_key(schema: str) -> sql.Composed:
     return sql.SQL("SELECT pg_advisory_xact_lock(hashtextextended({}, 0))").format(
         sql.Literal(f"lonnymq:{schema}:migrate")
@@ -180,6 +217,10 @@ def _install(conn: psycopg.Connection[Any], schema: str) -> list[str]:
         for name, text in migrations(schema)[version:]:
             conn.execute(text.encode())
             applied.append(name)
+        missing = missing_objects(conn, schema)
+        if missing:  # objects dropped by hand: put them back (rows of other tables are kept)
+            conn.execute(repair_sql(schema).encode())
+            applied.append(f"repair of {', '.join(missing)}")
         return applied
 
 
@@ -208,4 +249,9 @@ def check(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> int:
         raise SchemaTooNew(schema, version, CURRENT_VERSION)
     if version < CURRENT_VERSION:
         raise SchemaNotInstalled(schema, f"installed version {version} < {CURRENT_VERSION}")
+    missing = missing_objects(conn, schema)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        shown = ", ".join(missing[:5]) + more
+        raise SchemaNotInstalled(schema, f"missing: {shown}; `lonnymq migrate` restores them")
     return version

@@ -55,7 +55,6 @@ import psycopg
 from amqp.protocol import queue_declare_ok_t
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
-from kombu.transport.virtual.exchange import TopicExchange
 from kombu.utils.json import dumps, loads
 
 from . import _headers, _url
@@ -83,6 +82,7 @@ from .queue.routing import (
     publish_op,
     queue_declare_op,
     queue_exists_op,
+    topic_pattern,
     unbind_op,
 )
 
@@ -291,7 +291,7 @@ class Channel(virtual.Channel):
     ) -> None:
         exchange = exchange or "amq.direct"
         kind = self._exchange_type(exchange)
-        pattern = TopicExchange(self).key_to_pattern(routing_key) if kind == "topic" else None
+        pattern = topic_pattern(routing_key or "") if kind == "topic" else None
         self._run(bind_op(self.options.schema, exchange, routing_key or "", queue, pattern))
 
     def queue_unbind(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..exceptions import InvalidArgument, InvalidName, MessageTooLarge
+from ..exceptions import ConfigurationError, InvalidArgument, InvalidName, MessageTooLarge
 
 MAX_NAME_LENGTH = 255
 MAX_DELAY_MS = 10 * 365 * 24 * 3600 * 1000  # ten years
@@ -28,7 +28,35 @@ def name(value: object, what: str) -> str:
         )
     if "\x00" in value:
         raise InvalidName(f"{what} name must not contain NUL characters")
+    _utf8(value, f"{what} name", InvalidName)
     return value
+
+
+def optional_key(value: object, what: str) -> str:
+    """A name that may be empty (an exchange, a routing key): a str of at most
+    ``MAX_NAME_LENGTH`` characters, no NUL, valid UTF-8."""
+    if not isinstance(value, str):
+        raise InvalidName(f"{what} must be a str, not {type(value).__name__}")
+    if len(value) > MAX_NAME_LENGTH:
+        raise InvalidName(
+            f"{what} is {len(value)} characters long, over the limit of {MAX_NAME_LENGTH}"
+        )
+    if "\x00" in value:
+        raise InvalidName(f"{what} must not contain NUL characters")
+    _utf8(value, what, InvalidName)
+    return value
+
+
+def _utf8(value: str, what: str, error: type[ConfigurationError]) -> bytes:
+    """``value`` encoded; a str that cannot be (a lone surrogate) is a clear error."""
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start : exc.end]
+        raise error(
+            f"{what} is not valid Unicode text: {bad!r} at position {exc.start} cannot be "
+            "encoded as UTF-8"
+        ) from None
 
 
 def optional_name(value: object, what: str) -> str | None:
@@ -37,7 +65,7 @@ def optional_name(value: object, what: str) -> str | None:
 
 def content(value: object, limit: int) -> bytes:
     if isinstance(value, str):
-        data = value.encode("utf-8")
+        data = _utf8(value, "message content", InvalidArgument)
     elif isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
     else:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import LiteralString
 
-from ..exceptions import InvalidArgument, InvalidName
+from ..exceptions import InvalidArgument
 from . import _checks
 from ._ops import Op, Rows, render
 from .results import Outcome
@@ -82,14 +82,10 @@ def publish_op(
     ttl_ms: float | None = None,
     max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
 ) -> Op[Routed]:
-    if not isinstance(exchange, str) or len(exchange) > _checks.MAX_NAME_LENGTH:
-        raise InvalidName(f"invalid exchange name {exchange!r}")
-    if not isinstance(routing_key, str) or len(routing_key) > _checks.MAX_NAME_LENGTH:
-        raise InvalidName(f"invalid routing key {routing_key!r}")
+    _checks.optional_key(exchange, "exchange name")
+    _checks.optional_key(routing_key, "routing key")
     if not exchange:
         _checks.name(routing_key, "queue")
-    if "\x00" in exchange or "\x00" in routing_key:
-        raise InvalidName("exchange and routing key must not contain NUL characters")
     params = (
         exchange,
         routing_key,
@@ -130,6 +126,7 @@ def exchange_type_op(schema: str, exchange: str) -> Op[str | None]:
     def parse(rows: Rows) -> str | None:
         return str(rows[0][0]) if rows else None
 
+    exchange = _checks.optional_key(exchange, "exchange name")
     return Op(schema, render(_EXCHANGE_GET, schema), (exchange,), parse)
 
 
@@ -158,7 +155,37 @@ def queue_exists_op(schema: str, queue: str) -> Op[bool]:
     def parse(rows: Rows) -> bool:
         return bool(rows[0][0])
 
+    queue = _checks.name(queue, "queue")
     return Op(schema, render(_QUEUE_EXISTS, schema), (queue, queue), parse)
+
+
+def _literal(word: str) -> str:
+    """``word`` as a Postgres regular expression matching itself: each ASCII character that is
+    not a letter or digit is backslash-escaped (a backslash before a letter or digit would
+    start an escape such as ``\\d``; other characters are not special)."""
+    return "".join("\\" + c if c.isascii() and not c.isalnum() else c for c in word)
+
+
+def topic_pattern(binding_key: str) -> str:
+    """The Postgres regular expression of an AMQP topic binding key. Words are separated by
+    dots; a word that is exactly ``*`` matches one word, exactly ``#`` zero or more words;
+    any other word (``a*``, ``#b``) matches itself literally."""
+    words: list[str] = []
+    for word in binding_key.split("."):
+        if not (word == "#" and words and words[-1] == "#"):  # "#.#" is "#"
+            words.append(word)
+    if words == ["#"]:
+        return "^.*$"
+    parts: list[str] = []
+    for i, word in enumerate(words):
+        if word == "#":
+            # first: zero or more "word." before the next word; else: zero or more ".word"
+            parts.append("(?:[^.]*\\.)*" if i == 0 else "(?:\\.[^.]*)*")
+            continue
+        if i > 0 and not (i == 1 and words[0] == "#"):
+            parts.append("\\.")
+        parts.append("[^.]*" if word == "*" else _literal(word))
+    return "^" + "".join(parts) + "$"
 
 
 def bind_op(
@@ -166,7 +193,7 @@ def bind_op(
 ) -> Op[None]:
     params = (
         _checks.name(exchange, "exchange"),
-        routing_key,
+        _checks.optional_key(routing_key, "binding key"),
         _checks.name(queue, "queue"),
         pattern,
     )
@@ -174,13 +201,19 @@ def bind_op(
 
 
 def unbind_op(schema: str, exchange: str, routing_key: str, queue: str) -> Op[None]:
-    return Op(schema, render(_UNBIND, schema), (exchange, routing_key, queue), _none)
+    params = (
+        _checks.name(exchange, "exchange"),
+        _checks.optional_key(routing_key, "binding key"),
+        _checks.name(queue, "queue"),
+    )
+    return Op(schema, render(_UNBIND, schema), params, _none)
 
 
 def bindings_op(schema: str, exchange: str) -> Op[list[tuple[str, str, str, str | None]]]:
     def parse(rows: Rows) -> list[tuple[str, str, str, str | None]]:
         return [(r[0], r[1], r[2], r[3]) for r in rows]
 
+    exchange = _checks.optional_key(exchange, "exchange name")
     return Op(schema, render(_BINDINGS, schema), (exchange,), parse)
 
 
