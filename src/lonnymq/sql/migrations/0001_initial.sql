@@ -580,7 +580,7 @@ $$;
 
 -- Release a held message's slot on its channel (after delete or defer).
 CREATE FUNCTION {schema}.channel_release_v1(
-    p_channel_id bigint, p_size_delta integer, p_due timestamptz, p_count integer DEFAULT 1
+    p_channel_id bigint, p_size_delta integer, p_due timestamptz
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -594,7 +594,7 @@ BEGIN
     END IF;
     v_new := v_old;
     v_new.current_size := GREATEST(0, v_old.current_size + p_size_delta);
-    v_new.current_concurrency := GREATEST(0, v_old.current_concurrency - p_count);
+    v_new.current_concurrency := GREATEST(0, v_old.current_concurrency - 1);
     IF p_due IS NOT NULL THEN
         v_due := GREATEST(p_due, v_old.served_at);
         IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
@@ -641,9 +641,7 @@ BEGIN
     UPDATE {schema}.message m SET
         locked_until = NULL,
         lock_token = NULL,
-        -- a NULL delay requeues: the message keeps its place (as RabbitMQ's requeue does)
-        dequeue_at = CASE WHEN p_delay_ms IS NULL THEN m.dequeue_at
-            ELSE clock_timestamp() + p_delay_ms * interval '1 millisecond' END,
+        dequeue_at = clock_timestamp() + p_delay_ms * interval '1 millisecond',
         state = CASE WHEN p_set_state THEN p_state ELSE m.state END
     WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
     RETURNING m.channel_id, m.dequeue_at INTO v_channel_id, v_at;
@@ -987,39 +985,21 @@ END;
 $$;
 
 
--- Delete (ack) many held messages. One outcome per id, as message_delete_v1.
+-- Delete (ack) many held messages, in id order. One outcome per id, as message_delete_v1.
 CREATE FUNCTION {schema}.message_delete_many_v1(p_ids bigint[], p_lock_tokens uuid[])
 RETURNS TABLE (message_id bigint, result_code text)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql AS $$
 DECLARE
-    v_gone bigint[];
-    v_channels bigint[];
     r record;
 BEGIN
-    -- by primary key from the array (never a join the planner could hash), each row with
-    -- the token given for it
-    WITH gone AS (
-        DELETE FROM {schema}.message m
-        WHERE m.id = ANY (p_ids)
-          AND m.lock_token = p_lock_tokens[array_position(p_ids, m.id)]
-          AND m.locked_until IS NOT NULL
-        RETURNING m.id, m.channel_id
-    )
-    SELECT array_agg(g.id), array_agg(g.channel_id) INTO v_gone, v_channels FROM gone g;
-    -- one update per channel, in id order (the same order for every caller)
     FOR r IN
-        SELECT x.channel_id, count(*)::integer AS n FROM unnest(v_channels) AS x(channel_id)
-        GROUP BY x.channel_id ORDER BY x.channel_id
+        SELECT h.id, h.lock_token FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
+        ORDER BY h.id
     LOOP
-        PERFORM {schema}.channel_release_v1(r.channel_id, -r.n, NULL, r.n);
+        message_id := r.id;
+        result_code := {schema}.message_delete_v1(r.id, r.lock_token);
+        RETURN NEXT;
     END LOOP;
-    RETURN QUERY
-        SELECT h.id,
-            CASE WHEN h.id = ANY (coalesce(v_gone, ARRAY[]::bigint[])) THEN 'ok'
-                 WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
-                     THEN 'state_invalid'
-                 ELSE 'not_found' END
-        FROM unnest(p_ids) AS h(id);
 END;
 $$;
 
