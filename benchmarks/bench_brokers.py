@@ -1140,7 +1140,7 @@ def src_digest() -> str:
     """sha256 of lonnymq's source files as they are now (src/ may change during a run: spawned
     workers and Celery workers import it afresh)."""
     digest = hashlib.sha256()
-    src = HERE.parent / "src" / "lonnymq"
+    src = Path(lonnymq.__file__).resolve().parent
     for path in sorted(src.rglob("*")):
         if path.is_file() and path.suffix in (".py", ".sql"):
             digest.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes())
@@ -1160,6 +1160,10 @@ def environment(brokers: list[BrokerSpec]) -> dict[str, Any]:
     changes = _run(["git", "-C", str(root), "status", "--porcelain", "--", "src"])
     env["lonnymq_src_uncommitted"] = [x for x in (changes or "").split("\n") if x]
     env["lonnymq_src_sha256_at_start"] = src_digest()
+    # src/ may be edited while a run goes on: to measure a fixed commit, run with PYTHONPATH
+    # pointing at a snapshot (git archive COMMIT src | tar -x -C DIR; PYTHONPATH=DIR/src)
+    env["lonnymq_imported_from"] = str(Path(lonnymq.__file__).resolve().parent)
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH")
     with pg_conn() as pg:
         row = pg.execute("SELECT version()").fetchone()
         settings: dict[str, Any] = {"version": row[0] if row else None}
