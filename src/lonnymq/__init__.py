@@ -31,6 +31,7 @@ from .exceptions import (
     InvalidName,
     LonnyMQError,
     MessageTooLarge,
+    PermissionDenied,
     SchemaError,
     SchemaNotInstalled,
     SchemaTooNew,
@@ -54,6 +55,7 @@ from .queue import (
     Queue,
     QueueStats,
 )
+from .roles import grant, revoke
 
 __version__ = "0.1.0"
 
@@ -101,6 +103,7 @@ __all__ = [
     "Message",
     "MessageTooLarge",
     "Outcome",
+    "PermissionDenied",
     "Pending",
     "Policy",
     "Queue",
@@ -108,7 +111,9 @@ __all__ = [
     "SchemaError",
     "SchemaNotInstalled",
     "SchemaTooNew",
+    "grant",
     "install",
     "migrations",
+    "revoke",
     "transaction",
 ]

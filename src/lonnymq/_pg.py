@@ -137,7 +137,7 @@ class PgClient(_Forkable):
                 applied = migrator.install(conn, self.schema)
                 if applied:
                     logger.info("lonnymq: installed schema %r (%s)", self.schema, applied)
-            except psycopg.OperationalError as exc:
+            except psycopg.Error as exc:
                 raise translate(exc, self.schema) from exc
             _INSTALLED.add(key)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 
-from . import migrator
+from . import migrator, roles
 from ._url import mask_password
 from .exceptions import LonnyMQError
 from .queue import Broker
@@ -70,6 +70,17 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"schema {args.schema!r}: applied {', '.join(applied)}")
     else:
         print(f"schema {args.schema!r} is up to date (version {migrator.CURRENT_VERSION})")
+    return 0
+
+
+def cmd_grant(args: argparse.Namespace) -> int:
+    with _connect(args) as conn:
+        if args.command == "grant":
+            roles.grant(conn, args.kind, args.role, schema=args.schema)
+            print(f"role {args.role!r} may now act as a lonnymq {args.kind} on {args.schema!r}")
+        else:
+            roles.revoke(conn, args.role, schema=args.schema)
+            print(f"role {args.role!r} has no lonnymq rights on {args.schema!r} any more")
     return 0
 
 
@@ -172,6 +183,16 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--max-concurrency", type=_limit, default=None, metavar="N|none")
             p.add_argument("--max-size", type=_limit, default=None, metavar="N|none")
         p.set_defaults(func=cmd_policy)
+
+    grant = sub.add_parser(
+        "grant", parents=[common], help="give a database role a lonnymq kind of rights"
+    )
+    grant.add_argument("kind", choices=roles.KINDS)
+    grant.add_argument("role")
+    grant.set_defaults(func=cmd_grant)
+    revoke = sub.add_parser("revoke", parents=[common], help="take a role's lonnymq rights")
+    revoke.add_argument("role")
+    revoke.set_defaults(func=cmd_grant)
 
     stats = sub.add_parser("stats", parents=[common], help="counters of queues")
     stats.add_argument("queues", nargs="*", help="default: every queue")

@@ -90,3 +90,8 @@ class DatabaseError(LonnyMQError):
 
 class ConnectionLost(DatabaseError):
     """The connection to Postgres failed or was closed; the operation may be retried."""
+
+
+class PermissionDenied(DatabaseError):
+    """The database role may not do this: grant it the lonnymq role it needs
+    (``lonnymq grant producer|worker|admin ROLE``, see :func:`lonnymq.grant`)."""

@@ -21,6 +21,7 @@ from ..exceptions import (
     DatabaseError,
     InvalidArgument,
     LonnyMQError,
+    PermissionDenied,
     SchemaNotInstalled,
 )
 
@@ -78,6 +79,11 @@ def async_commit(op: Op[T]) -> Op[T]:
 
 def translate(exc: Exception, schema: str) -> LonnyMQError:
     """The lonnymq error for a psycopg error."""
+    if isinstance(exc, pgerrors.InsufficientPrivilege):
+        return PermissionDenied(
+            f"{str(exc).splitlines()[0]}: the database role lacks a lonnymq grant (run "
+            f"`lonnymq grant producer|worker|admin ROLE --schema {schema}` as the owner)"
+        )
     if isinstance(exc, _SCHEMA_ERRORS):
         return SchemaNotInstalled(schema, str(exc).splitlines()[0])
     if isinstance(exc, _ARGUMENT_ERRORS):

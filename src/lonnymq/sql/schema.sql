@@ -1079,3 +1079,50 @@ BEGIN
     END LOOP;
 END;
 $$;
+
+
+-- Security: callers run the entry points below with the rights of the schema's owner
+-- (SECURITY DEFINER, with a fixed search_path) and need no rights on the tables; nobody may
+-- execute a function unless granted (lonnymq.grant / `lonnymq grant`: producer, worker,
+-- admin). The internal functions are only called by the entry points.
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
+ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_publish_v1(text, text, text, text, bytea, integer, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_delete_v1(bigint, uuid)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_delete_many_v1(bigint[], uuid[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_defer_v1(bigint, uuid, bigint, boolean, bytea)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_heartbeat_v1(bigint[], uuid[], bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_policy_set_v1(text, text, integer, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_policy_set_v1(text, integer, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_purge_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_stats_v1(text, boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.exchange_declare_v1(text, text, boolean, boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.exchange_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_declare_v1(text, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_bind_v1(text, text, text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_unbind_v1(text, text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_touch_v1(text[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.expire_v1(integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;

@@ -5,6 +5,9 @@
 -- * message_delete_many_v1: one DELETE for all the rows and one update per channel (it was a
 --   delete and a channel update per message); the consumer sends its acks with it.
 -- * channel_release_v1: takes the number of slots released (p_count, default 1).
+-- * Least privilege: the entry points run as the schema's owner (SECURITY DEFINER, fixed
+--   search_path); no function is executable by PUBLIC; lonnymq.grant gives roles what they
+--   need (producer, worker, admin).
 
 DROP FUNCTION {schema}.channel_release_v1(bigint, integer, timestamptz);
 
@@ -104,3 +107,50 @@ BEGIN
         FROM unnest(p_ids) AS h(id);
 END;
 $$;
+
+
+-- Security: callers run the entry points below with the rights of the schema's owner
+-- (SECURITY DEFINER, with a fixed search_path) and need no rights on the tables; nobody may
+-- execute a function unless granted (lonnymq.grant / `lonnymq grant`: producer, worker,
+-- admin). The internal functions are only called by the entry points.
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
+ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_publish_v1(text, text, text, text, bytea, integer, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_delete_v1(bigint, uuid)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_delete_many_v1(bigint[], uuid[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_defer_v1(bigint, uuid, bigint, boolean, bytea)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_heartbeat_v1(bigint[], uuid[], bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_policy_set_v1(text, text, integer, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_policy_set_v1(text, integer, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_purge_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_stats_v1(text, boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.exchange_declare_v1(text, text, boolean, boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.exchange_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_declare_v1(text, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_bind_v1(text, text, text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_unbind_v1(text, text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_touch_v1(text[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.expire_v1(integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
