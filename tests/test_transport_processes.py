@@ -659,13 +659,16 @@ def test_consumer_survives_postgres_restart(spawn: Spawner, schema: str) -> None
         acked = set(ids(events, "ack"))
         assert len(before_restart) < 200, "the restart did not happen mid-run"
         assert acked == set(range(400)), f"never consumed: {sorted(set(range(400)) - acked)}"
-        assert consumer.events("error"), "the consumer never saw the restart"
+        # the restart reached the consumer: its drain loop got the error (and reconnected), or
+        # its heartbeat thread or LISTEN connection met it first and the next call reconnected
+        log = consumer.log.read_text()
+        assert consumer.events("error") or "LISTEN connection lost" in log, log[-3000:]
         with psycopg.connect(server.dsn(), autocommit=True) as pg:
             assert_empty(lonnymq.Broker(schema), pg, "restart")
         dups = sum(n - 1 for n in Counter(ids(events)).values())
         print(
             f"\nrestart: {len(before_restart)}/200 acked before it; consumer recovered from "
-            f"{len(consumer.events('error'))} error(s); {dups} delivered twice"
+            f"{len(consumer.events('error'))} error(s) in its drain loop; {dups} delivered twice"
         )
     finally:
         server.cleanup()

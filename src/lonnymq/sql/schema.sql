@@ -395,6 +395,8 @@ DECLARE
     v_done boolean[];
     v_dropped integer[];
     v_expired bigint[];
+    v_relock bigint[];
+    v_locked bigint[];
     v_new {schema}.channel;
     v_batch bigint[];
     v_ids bigint[] := ARRAY[]::bigint[];
@@ -415,38 +417,41 @@ BEGIN
     END IF;
 
     -- 1. Messages whose lock expired. They still count against their channel's concurrency,
-    --    so they are re-locked without touching the channel row.
-    RETURN QUERY
-        WITH relocked AS (
-            -- ids as an array, not a join: a join estimated from LIMIT's row count can
-            -- turn into a hash join over the whole table under a generic plan
-            UPDATE {schema}.message m SET
-                locked_until = v_now + v_lock,
-                lock_token = gen_random_uuid(),
-                attempts = m.attempts + 1
-            WHERE m.id = ANY (ARRAY(
-                -- each queue read in index order, stopping at p_limit: no sort of every
-                -- expired lock (after a crash there may be thousands)
-                SELECT x.id FROM unnest(v_queue_ids) AS qid
-                CROSS JOIN LATERAL (
-                    SELECT e.id, e.locked_until FROM {schema}.message e
-                    WHERE e.queue_id = qid AND e.locked_until <= v_now
-                    ORDER BY e.locked_until
-                    LIMIT p_limit
-                    FOR UPDATE SKIP LOCKED
-                ) AS x
-                ORDER BY x.locked_until
-                LIMIT p_limit
-            ))
-            RETURNING m.*
-        )
-        SELECT r.id, q.name, c.name, r.name, r.priority, r.attempts, r.lock_token,
-               r.created_at, r.content, r.state, NULL::bigint
-        FROM relocked r
-        JOIN {schema}.channel c ON c.id = r.channel_id
-        JOIN {schema}.queue q ON q.id = r.queue_id
-        ORDER BY r.id;
-    GET DIAGNOSTICS v_got = ROW_COUNT;
+    --    so they are re-locked without touching the channel row. Each queue is read in index
+    --    order, stopping at p_limit: no sort of every expired lock (after a crash there may be
+    --    thousands); usually there is none, and this one probe is all it costs.
+    v_relock := ARRAY(
+        SELECT x.id FROM unnest(v_queue_ids) AS qid
+        CROSS JOIN LATERAL (
+            SELECT e.id, e.locked_until FROM {schema}.message e
+            WHERE e.queue_id = qid AND e.locked_until <= v_now
+            ORDER BY e.locked_until
+            LIMIT p_limit
+            FOR UPDATE SKIP LOCKED
+        ) AS x
+        ORDER BY x.locked_until
+        LIMIT p_limit
+    );
+    IF cardinality(v_relock) > 0 THEN
+        RETURN QUERY
+            WITH relocked AS (
+                -- ids as an array, not a join: a join estimated from LIMIT's row count can
+                -- turn into a hash join over the whole table under a generic plan
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1
+                WHERE m.id = ANY (v_relock)
+                RETURNING m.*
+            )
+            SELECT r.id, q.name, c.name, r.name, r.priority, r.attempts, r.lock_token,
+                   r.created_at, r.content, r.state, NULL::bigint
+            FROM relocked r
+            JOIN {schema}.channel c ON c.id = r.channel_id
+            JOIN {schema}.queue q ON q.id = r.queue_id
+            ORDER BY r.id;
+        GET DIAGNOSTICS v_got = ROW_COUNT;
+    END IF;
     v_left := p_limit - v_got;
 
     -- 2. Lock the channels whose turn it is.
@@ -511,26 +516,32 @@ BEGIN
                 SELECT array_agg(x.id ORDER BY x.rn) INTO v_batch
                 FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
                     WITH ORDINALITY AS x(id, rn);
-                -- messages past their time to live are dropped, not delivered
-                WITH gone AS (
-                    DELETE FROM {schema}.message m
-                    WHERE m.id = ANY (v_batch) AND m.expires_at <= v_now
+                -- lock them, by primary key from the array (never a join the planner could
+                -- hash); messages past their time to live are left out, and dropped below
+                WITH locked AS (
+                    UPDATE {schema}.message m SET
+                        locked_until = v_now + v_lock,
+                        lock_token = gen_random_uuid(),
+                        attempts = m.attempts + 1
+                    WHERE m.id = ANY (v_batch) AND (m.expires_at IS NULL OR m.expires_at > v_now)
                     RETURNING m.id
                 )
-                SELECT array_agg(gone.id) INTO v_expired FROM gone;
-                IF v_expired IS NOT NULL THEN
-                    v_dropped[i] := v_dropped[i] + cardinality(v_expired);
+                SELECT array_agg(l.id) INTO v_locked FROM locked l;
+                v_expired := NULL;
+                IF coalesce(cardinality(v_locked), 0) < coalesce(cardinality(v_batch), 0) THEN
+                    WITH gone AS (
+                        DELETE FROM {schema}.message m
+                        WHERE m.id = ANY (v_batch) AND m.expires_at <= v_now
+                          AND m.id <> ALL (coalesce(v_locked, ARRAY[]::bigint[]))
+                        RETURNING m.id
+                    )
+                    SELECT array_agg(gone.id) INTO v_expired FROM gone;
+                    v_dropped[i] := v_dropped[i] + coalesce(cardinality(v_expired), 0);
                     SELECT array_agg(u.id ORDER BY u.ord) INTO v_batch
                     FROM unnest(v_batch) WITH ORDINALITY AS u(id, ord)
-                    WHERE u.id <> ALL (v_expired);
+                    WHERE u.id = ANY (coalesce(v_locked, ARRAY[]::bigint[]));
                     v_done[i] := true;  -- look again on the next call
                 END IF;
-                -- by primary key, from the array (never a join the planner could hash)
-                UPDATE {schema}.message m SET
-                    locked_until = v_now + v_lock,
-                    lock_token = gen_random_uuid(),
-                    attempts = m.attempts + 1
-                WHERE m.id = ANY (v_batch);
                 v_n := coalesce(cardinality(v_batch), 0);
                 IF v_n < v_cap AND v_expired IS NULL THEN
                     v_done[i] := true;  -- nothing more due in this channel
