@@ -893,3 +893,53 @@ def test_topic_patterns_in_postgres(conn: Conn, key: str, expected: dict[str, bo
     for routing_key, matches in expected.items():
         row = conn.execute("SELECT %s::text ~ %s::text", (routing_key, pattern)).fetchone()
         assert row is not None and row[0] is matches, (key, pattern, routing_key)
+
+
+def test_ack_offered_before_a_blocking_callback_is_handed_back(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str, monkeypatch: Any
+) -> None:
+    """An ack from another thread that the consumer has not taken when it goes into a
+    callback goes back to the acking thread at once: the callback may be waiting for it
+    (Celery's prefork pool blocks for a free process, freed by such an ack)."""
+    import lonnymq._acks
+
+    monkeypatch.setattr(lonnymq._acks, "HANDOFF_SECONDS", 30.0)  # only the hand-back helps
+    connection = make_connection(polling_interval=30)
+    queue = Queue("handback")
+    producer = connection.Producer()
+    producer.publish("first", routing_key="handback", declare=[queue])
+    messages: list[Any] = []
+    acked = threading.Event()
+    waited: list[bool] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        messages.append(message)
+        if body == "second":  # blocks until the first one's ack, made by another thread
+            waited.append(acked.wait(10))
+            message.ack()
+
+    transport = connection.transport
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=2)
+        drain(connection, lambda: len(messages) == 1)
+        producer.publish("second", routing_key="handback", declare=[queue])
+        # the consumer's next fetch takes the (empty) ack buffer, then waits for the client
+        # lock held here; meanwhile another thread acks "first" (buffered, not taken)
+        with transport.pg._lock:
+            consumer_thread = threading.Thread(
+                target=lambda: drain(connection, lambda: len(messages) == 2)
+            )
+            consumer_thread.start()
+            time.sleep(0.3)
+
+            def ack_first() -> None:
+                messages[0].ack()
+                acked.set()
+
+            acker = threading.Thread(target=ack_first)
+            acker.start()
+            time.sleep(0.3)
+        consumer_thread.join(timeout=20)
+        acker.join(timeout=20)
+    assert waited == [True], "the ack waited for the callback that waited for it"
+    assert _count(conn, schema, "handback") == 0

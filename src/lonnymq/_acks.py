@@ -66,10 +66,22 @@ class AckBuffer:
             return self._take_locked()
 
     def delivering(self, on: bool) -> None:
-        """The drainer enters (True) or leaves (False) delivery callbacks."""
+        """The drainer enters (True) or leaves (False) delivery callbacks. Entering, it hands
+        the acks of other threads that it has not taken back to them: a callback may block
+        (Celery's prefork pool waits for a free process, which may wait for such an ack)."""
         with self._lock:
-            if self._state != self.IDLE:
-                self._state = self.DELIVERING if on else self.ACTIVE
+            if self._state == self.IDLE:
+                return
+            self._state = self.DELIVERING if on else self.ACTIVE
+            if on:
+                mine = []
+                for ack in self._pending:
+                    if ack.sent is None:
+                        mine.append(ack)
+                    else:
+                        ack.failed = True  # "send it yourself"
+                        ack.sent.set()
+                self._pending = mine
 
     def take(self) -> list[Ack]:
         with self._lock:
@@ -123,8 +135,8 @@ class AckBuffer:
 
     def wait(self, ack: Ack) -> bool:
         """Wait (another thread) until the drainer sent ``ack``. False when the caller must
-        send it itself: the drainer did not take it in time (withdrawn here), or its send
-        failed."""
+        send it itself: the drainer went into a callback first, did not take it in time
+        (withdrawn here), or its send failed."""
         assert ack.sent is not None
         deadline = time.monotonic() + HANDOFF_SECONDS
         while not ack.sent.wait(max(0.0, deadline - time.monotonic())):
