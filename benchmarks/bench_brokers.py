@@ -1119,6 +1119,12 @@ class Bench:
                 else:
                     with spec.connection() as conn:
                         Exchange(EXCHANGE, "direct", durable=True)(conn.channel()).delete()
+                    if spec.name == "redis":  # Celery's per-queue exchanges (bench_cel_*)
+                        import redis
+
+                        client = redis.Redis.from_url(REDIS_URL)
+                        for key in client.scan_iter("_kombu.binding*bench_cel_*"):
+                            client.delete(key)
             except Exception as exc:
                 print(f"cleanup of {spec.name} failed: {exc!r}", file=sys.stderr)
 
