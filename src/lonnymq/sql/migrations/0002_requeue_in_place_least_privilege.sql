@@ -6,7 +6,9 @@
 --   delete and a channel update per message); the consumer sends its acks with it.
 -- * channel_release_v1: takes the number of slots released (p_count, default 1).
 -- * message_dequeue_v1: re-locks expired locks only when there are some, and checks the time
---   to live in the UPDATE that locks the messages (one statement less per channel served).
+--   to live in the UPDATE that locks the messages (one statement less per channel served);
+--   never waits long on a channel row (SKIP LOCKED can wait for a newer row version, which
+--   deadlocked with acks): lock_timeout 50ms, then look again.
 -- * Least privilege: the entry points run as the schema's owner (SECURITY DEFINER, fixed
 --   search_path); no function is executable by PUBLIC; lonnymq.grant gives roles what they
 --   need (producer, worker, admin).
@@ -62,8 +64,9 @@ RETURNS TABLE (
     retry_ms bigint
 )
 -- Generic plans: re-planning a dozen statements on every call (custom plans) cost more than
--- executing them; tests/test_plans.py checks the generic plans use the indexes.
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+-- executing them; tests/test_plans.py checks the generic plans use the indexes. lock_timeout:
+-- see step 2.
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET lock_timeout = '50ms' AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_lock interval := p_lock_ms * interval '1 millisecond';
@@ -137,19 +140,28 @@ BEGIN
 
     -- 2. Lock the channels whose turn it is.
     WHILE v_left > 0 LOOP
-        SELECT array_agg(s.c ORDER BY (s.c).waiting_since, (s.c).id) INTO v_channels
-        FROM (
-            SELECT l.c FROM unnest(v_queue_ids) AS qid
-            CROSS JOIN LATERAL (
-                SELECT c FROM {schema}.channel c
-                WHERE c.queue_id = qid AND c.waiting_since <= v_now
-                ORDER BY c.waiting_since, c.id
+        BEGIN
+            SELECT array_agg(s.c ORDER BY (s.c).waiting_since, (s.c).id) INTO v_channels
+            FROM (
+                SELECT l.c FROM unnest(v_queue_ids) AS qid
+                CROSS JOIN LATERAL (
+                    SELECT c FROM {schema}.channel c
+                    WHERE c.queue_id = qid AND c.waiting_since <= v_now
+                    ORDER BY c.waiting_since, c.id
+                    LIMIT v_left
+                    FOR UPDATE SKIP LOCKED
+                ) AS l
+                ORDER BY (l.c).waiting_since, (l.c).id
                 LIMIT v_left
-                FOR UPDATE SKIP LOCKED
-            ) AS l
-            ORDER BY (l.c).waiting_since, (l.c).id
-            LIMIT v_left
-        ) AS s;
+            ) AS s;
+        EXCEPTION WHEN lock_not_available THEN
+            -- SKIP LOCKED still waits when it must lock the newer version of a row updated
+            -- since our snapshot while another transaction holds it. Waiting with other
+            -- channels of this statement locked can deadlock with acks (which lock channels
+            -- in id order), so give up after lock_timeout (set on this function): this
+            -- pass locked nothing, and the loop looks again.
+            v_channels := NULL;
+        END;
         EXIT WHEN v_channels IS NOT NULL OR v_got > 0 OR v_try >= 10;
         -- Nothing could be locked. If a channel is due, another transaction holds it (a
         -- create, an ack or another dequeue in flight): wait for it instead of reporting an
