@@ -58,6 +58,12 @@ HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 PG_DSN = os.environ.get("LONNYMQ_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 PG_HOSTPART = PG_DSN.split("://", 1)[1]
+# kombu's SQLAlchemy transport keeps sessions idle in transaction: in lonnymq's database they
+# would hold back its xmin horizon, so that dead index entries of consumed messages could not
+# be skipped and lonnymq's dequeues would slow down with every message (seen: prefetch-1
+# consume at ~60/s). It gets a database of its own on the same server (horizons are per
+# database since Postgres 14).
+SQLA_DSN = os.environ.get("LONNYMQ_BENCH_SQLA_DSN", PG_DSN.rsplit("/", 1)[0] + "/postgres")
 AMQP_URL = os.environ.get("BENCH_AMQP_URL", "pyamqp://guest:guest@127.0.0.1:5672//")
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 EXCHANGE = "bench_brokers"
@@ -107,7 +113,7 @@ def make_brokers(names: Sequence[str], token: str) -> tuple[list[BrokerSpec], di
             out.append(
                 BrokerSpec(
                     name,
-                    f"sqla+postgresql+psycopg://{PG_HOSTPART}",
+                    f"sqla+postgresql+psycopg://{SQLA_DSN.split('://', 1)[1]}",
                     {
                         "queue_tablename": f"bench_kq_{token}",
                         "message_tablename": f"bench_km_{token}",
@@ -131,7 +137,7 @@ def sqla_unavailable() -> str | None:
     the table is called, and index names are unique per schema: with one already there (a
     kombu_message table, or the tables a killed run of this benchmark left), it cannot create
     its tables."""
-    with psycopg.connect(PG_DSN, autocommit=True) as pg:
+    with psycopg.connect(SQLA_DSN, autocommit=True) as pg:
         row = pg.execute(
             "SELECT tablename FROM pg_indexes WHERE schemaname = 'public' "
             "AND indexname = 'ix_kombu_message_timestamp_id'"
@@ -1108,7 +1114,7 @@ class Bench:
                     for engine, _ in list(SqlaChannel._engines.values()):
                         engine.dispose()
                     SqlaChannel._engines.clear()
-                    with pg_conn() as pg:
+                    with psycopg.connect(SQLA_DSN, autocommit=True) as pg:
                         pg.execute("SET lock_timeout = '20s'")
                         for key in ("message_tablename", "queue_tablename"):
                             pg.execute(
