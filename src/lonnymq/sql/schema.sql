@@ -421,18 +421,22 @@ BEGIN
     --    so they are re-locked without touching the channel row. Each queue is read in index
     --    order, stopping at p_limit: no sort of every expired lock (after a crash there may be
     --    thousands); usually there is none, and this one probe is all it costs.
-    v_relock := ARRAY(
-        SELECT x.id FROM unnest(v_queue_ids) AS qid
-        CROSS JOIN LATERAL (
-            SELECT e.id, e.locked_until FROM {schema}.message e
-            WHERE e.queue_id = qid AND e.locked_until <= v_now
-            ORDER BY e.locked_until
+    BEGIN
+        v_relock := ARRAY(
+            SELECT x.id FROM unnest(v_queue_ids) AS qid
+            CROSS JOIN LATERAL (
+                SELECT e.id, e.locked_until FROM {schema}.message e
+                WHERE e.queue_id = qid AND e.locked_until <= v_now
+                ORDER BY e.locked_until
+                LIMIT p_limit
+                FOR UPDATE SKIP LOCKED
+            ) AS x
+            ORDER BY x.locked_until
             LIMIT p_limit
-            FOR UPDATE SKIP LOCKED
-        ) AS x
-        ORDER BY x.locked_until
-        LIMIT p_limit
-    );
+        );
+    EXCEPTION WHEN lock_not_available THEN
+        v_relock := ARRAY[]::bigint[];  -- see step 2: an ack holds one; take them next time
+    END;
     IF cardinality(v_relock) > 0 THEN
         RETURN QUERY
             WITH relocked AS (
