@@ -92,7 +92,9 @@ def delay_ms(headers: dict[str, Any]) -> float:
                 f"x-delay-ms must be a number of milliseconds, not {headers['x-delay-ms']!r}"
             ) from None
         if delay != delay or delay < 0:
-            raise InvalidArgument(f"x-delay-ms must not be negative, not {delay}")
+            raise InvalidArgument(
+                f"x-delay-ms must be a number of milliseconds >= 0, not {headers['x-delay-ms']!r}"
+            )
         return delay
     eta = headers.get("eta")
     if not eta:
