@@ -19,7 +19,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, TypeVar
 
 import psycopg
@@ -153,41 +153,32 @@ class PgClient(_Forkable):
 
     def run(self, op: Op[T]) -> T:
         """Run one operation, reconnecting first if the connection was lost."""
-        with self._lock:
-            conn = self.connection()
-            try:
-                return run(conn, op)
-            except ConnectionLost:
-                self.discard()
-                raise
-            except SchemaNotInstalled:
-                if not self._reinstall(conn):
-                    raise
-                return run(conn, op)
+        return self._call(lambda conn: run(conn, op))
 
     def run_pipeline(self, first: Op[T], second: Op[U]) -> tuple[T, U]:
         """Run two operations in one round trip, reconnecting first if needed."""
+        return self._call(lambda conn: run_pipeline(conn, first, second))
+
+    def _call(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
+        """``work`` on the connection: a lost connection is forgotten (the next call
+        reconnects); a schema that went away since this process checked it is installed
+        (repaired) again with auto_install, and ``work`` retried once."""
         with self._lock:
             conn = self.connection()
             try:
-                return run_pipeline(conn, first, second)
+                return work(conn)
             except ConnectionLost:
                 self.discard()
                 raise
             except SchemaNotInstalled:
-                if not self._reinstall(conn):
+                if not self.auto_install:
                     raise
-                return run_pipeline(conn, first, second)
-
-    def _reinstall(self, conn: psycopg.Connection[Any]) -> bool:
-        """The schema (or part of it) went away since this process checked it: with
-        auto_install, install (repair) it again; True when the caller may retry."""
-        if not self.auto_install:
-            return False
-        logger.warning("lonnymq: schema %r is missing or incomplete: installing it", self.schema)
-        _INSTALLED.discard((self.conninfo, self.schema))
-        self._ensure_schema(conn)
-        return True
+                logger.warning(
+                    "lonnymq: schema %r is missing or incomplete: installing it", self.schema
+                )
+                _INSTALLED.discard((self.conninfo, self.schema))
+                self._ensure_schema(conn)
+                return work(conn)
 
     def discard(self) -> None:
         """Forget the connection (after an error); the next call reconnects."""
