@@ -1,5 +1,5 @@
 """The consumer's background thread: extends the locks of every message the process holds,
-keeps its expiring queues alive, and sweeps expired messages and queues."""
+keeps its expiring queues alive, sweeps expired messages and queues, prunes old dead letters."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from .queue.finalize import heartbeat_op
+from .queue.operate import housekeep_op
 from .queue.routing import expire_op, touch_op
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class Heartbeat(threading.Thread):
                 if time.monotonic() - last_expire >= options.expire_interval:
                     last_expire = time.monotonic()
                     self.transport.pg.run(expire_op(options.schema))
+                    self.transport.pg.run(housekeep_op(options.schema))
             except Exception as exc:  # keep beating: the next tick may succeed
                 logger.warning("lonnymq: heartbeat failed: %s", exc)
 

@@ -65,8 +65,13 @@ class Options:
     connect_timeout: float | None = None
     #: Channel policies declared in configuration, applied when a process first connects:
     #: ``{queue: {"default": {"max_concurrency": n, "max_size": n},
-    #: "channels": {channel: {...}}}}``. A declared policy replaces the one in the database.
+    #: "channels": {channel: {...}}, "settings": {"max_attempts": n, "dead_letter": bool,
+    #: "dead_retention_ms": n}}}``. A declared policy replaces the one in the database.
     policies: dict[str, Any] | None = None
+    #: Serve this process's client metrics (Prometheus) over HTTP on this port, from the
+    #: first connection on (needs prometheus_client). None: not served (they are still in
+    #: prometheus_client's default registry).
+    metrics_port: int | None = None
 
     @property
     def lock_ms(self) -> int:
@@ -117,6 +122,8 @@ class Options:
         if self.policies is not None:
             _policies(self.policies)
         _integer("max_message_bytes", self.max_message_bytes, 1, 1024**3)
+        if self.metrics_port is not None:
+            _integer("metrics_port", self.metrics_port, 1, 65535)
 
 
 def _seconds(name: str, value: object, *, low: float) -> None:
@@ -145,6 +152,30 @@ def _limits(where: str, value: object) -> None:
             _integer(f"policies: {where}.{key}", limit, 0, 2**31 - 1)
 
 
+_SETTINGS = frozenset({"dead_letter", "max_attempts", "dead_retention_ms"})
+
+
+def _settings(queue: str, value: object) -> None:
+    if not isinstance(value, dict) or not set(value) <= _SETTINGS:
+        raise ConfigurationError(
+            f"transport option policies[{queue!r}].settings must be a dict with keys among "
+            "dead_letter, max_attempts, dead_retention_ms"
+        )
+    if "dead_letter" in value and not isinstance(value["dead_letter"], bool):
+        raise ConfigurationError(
+            f"transport option policies[{queue!r}].settings.dead_letter must be True or False"
+        )
+    if value.get("max_attempts") is not None:
+        _integer(f"policies[{queue!r}].settings.max_attempts", value["max_attempts"], 1, 2**31 - 1)
+    if "dead_retention_ms" in value:
+        _integer(
+            f"policies[{queue!r}].settings.dead_retention_ms",
+            value["dead_retention_ms"],
+            1,
+            10 * 365 * 86400 * 1000,
+        )
+
+
 def _policies(policies: object) -> None:
     if not isinstance(policies, dict):
         raise ConfigurationError("transport option policies must be a dict keyed by queue name")
@@ -154,13 +185,15 @@ def _policies(policies: object) -> None:
                 "transport option policies: each queue maps to a dict with 'default' and/or "
                 "'channels'"
             )
-        unknown = set(spec) - {"default", "channels"}
+        unknown = set(spec) - {"default", "channels", "settings"}
         if unknown:
             raise ConfigurationError(
                 f"transport option policies[{queue!r}]: unknown key(s) {sorted(unknown)}"
             )
         if "default" in spec:
             _limits(f"{queue}.default", spec["default"])
+        if "settings" in spec:
+            _settings(queue, spec["settings"])
         channels = spec.get("channels", {})
         if not isinstance(channels, dict):
             raise ConfigurationError(f"transport option policies[{queue!r}].channels: a dict")

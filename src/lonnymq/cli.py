@@ -1,31 +1,49 @@
 """The ``lonnymq`` command (also ``python -m lonnymq``).
 
-    lonnymq migrate [--print-sql]       install or upgrade the schema
-    lonnymq policy set QUEUE [CHANNEL] [--max-concurrency N] [--max-size N]
-    lonnymq policy clear QUEUE [CHANNEL]
-    lonnymq policy show QUEUE [CHANNEL]
-    lonnymq stats QUEUE [QUEUE...]
+    lonnymq migrate [--print-sql]                 install or upgrade the schema
+    lonnymq status [QUEUE...]                     per queue: ready, delayed, in flight, dead...
+    lonnymq top [--interval S]                    the same, live, with rates per second
+    lonnymq channels QUEUE [--limit N]            the largest channels, policies and counters
+    lonnymq policy set|clear|show QUEUE [CHANNEL] channel and queue-default policies
+    lonnymq queue show|set QUEUE                  dead letters, max attempts, retention
+    lonnymq messages list [--queue Q] [--channel C] [--state S] [--after ID] [--limit N]
+    lonnymq messages show ID                      one message, headers and body
+    lonnymq messages delete ID... | --queue Q [--state S] --all
+    lonnymq messages retry ID... | --queue Q --all (dead letters back; delayed due now)
+    lonnymq purge QUEUE [--dead] [--yes]          delete waiting messages (or dead letters)
+    lonnymq metrics --port N                      serve Prometheus metrics for the database
+    lonnymq housekeep                             expire, prune dead letters (consumers do it)
+    lonnymq grant producer|worker|admin ROLE / revoke ROLE
 
 Every command reads the database from ``--dsn`` or ``$DATABASE_URL`` (a ``postgresql://`` or
 ``lonnymq://`` URL, or a libpq ``key=value`` string) and the schema from ``--schema``
-(default ``lonnymq``).
+(default ``lonnymq``). Listings take ``--json``. Tables are coloured on a terminal
+(``--color auto|always|never``, ``NO_COLOR``), plain when piped.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
 import json
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg
 
-from . import migrator, roles
+from . import _term, migrator, roles
 from ._url import mask_password
-from .exceptions import LonnyMQError
-from .queue import Broker
+from .exceptions import InvalidArgument, LonnyMQError
+from .queue import Broker, QueueStatus
+from .queue.operate import STATES, MessageDetail, MessageInfo, state_arg
+
+# -- plumbing --------------------------------------------------------------------------------
 
 
 def to_libpq(dsn: str) -> str:
@@ -35,16 +53,24 @@ def to_libpq(dsn: str) -> str:
     return dsn
 
 
-def _connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
+def _dsn(args: argparse.Namespace) -> str:
     dsn = args.dsn or os.environ.get("DATABASE_URL")
     if not dsn:
         raise SystemExit("lonnymq: no database given: pass --dsn or set DATABASE_URL")
+    return to_libpq(dsn)
+
+
+def _connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
     try:
-        return psycopg.connect(to_libpq(dsn), autocommit=True)
+        return psycopg.connect(_dsn(args), autocommit=True)
     except psycopg.Error as exc:
         raise SystemExit(
             f"lonnymq: cannot connect to the database: {mask_password(str(exc)).strip()}"
         ) from None
+
+
+def _style(args: argparse.Namespace) -> _term.Style:
+    return _term.Style(_term.wants_colour(sys.stdout, getattr(args, "color", "auto")))
 
 
 def _limit(text: str) -> int | None:
@@ -57,6 +83,69 @@ def _limit(text: str) -> int | None:
     if value < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
     return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be 1 or more")
+    return value
+
+
+def _attempts(text: str) -> int | None:
+    value = _limit(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be 1 or more, or none")
+    return value
+
+
+def _duration(text: str) -> int:
+    try:
+        return _term.parse_duration_ms(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _on_off(text: str) -> bool:
+    value = text.lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, not {text!r}")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.1 <= value <= 3600:
+        raise argparse.ArgumentTypeError("must be between 0.1 and 3600 seconds")
+    return value
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=_term.jsonable))
+
+
+def _confirm(question: str, args: argparse.Namespace) -> bool:
+    """True with --yes; otherwise ask on stderr and read one line from stdin (a pipe works:
+    ``yes | lonnymq purge q``); anything but y/yes, or end of input, means no."""
+    if args.yes:
+        return True
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    answer = sys.stdin.readline()
+    if not answer:
+        sys.stderr.write("\n")
+    return answer.strip().lower() in ("y", "yes")
+
+
+# -- migrate, grant, policy --------------------------------------------------------------------
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -121,6 +210,110 @@ def vars_of(policy: Any) -> dict[str, Any]:
     return {"max_concurrency": policy.max_concurrency, "max_size": policy.max_size}
 
 
+def _print(data: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        _print_json(data)
+        return
+    width = max(len(k) for k in data)
+    for key, value in data.items():
+        print(f"{key.ljust(width)}  {'-' if value is None else value}")
+
+
+# -- status, top, channels, stats ----------------------------------------------------------------
+
+
+def _status_dict(s: QueueStatus, now: datetime) -> dict[str, Any]:
+    return {
+        "queue": s.queue,
+        "ready": s.ready,
+        "delayed": s.delayed,
+        "in_flight": s.in_flight,
+        "dead": s.dead,
+        "total": s.total,
+        "oldest_ready_age_seconds": s.oldest_ready_age(now),
+        "channels": s.channels,
+        "counters": {
+            "enqueued": s.counters.enqueued,
+            "delivered": s.counters.delivered,
+            "redelivered": s.counters.redelivered,
+            "acked": s.counters.acked,
+            "deferred": s.counters.deferred,
+            "dead": s.counters.dead,
+            "expired": s.counters.expired,
+            "dropped": s.counters.dropped,
+        },
+        "policy": {"max_concurrency": s.max_concurrency, "max_size": s.max_size},
+        "settings": {
+            "dead_letter": s.settings.dead_letter,
+            "max_attempts": s.settings.max_attempts,
+            "dead_retention_ms": s.settings.dead_retention_ms,
+        },
+    }
+
+
+def _read_status(
+    conn: psycopg.Connection[Any], broker: Broker, args: argparse.Namespace
+) -> tuple[list[QueueStatus], datetime]:
+    statuses = broker.status(conn, count_ready=not args.no_count)
+    now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    if args.queues:
+        wanted = set(args.queues)
+        statuses = [s for s in statuses if s.queue in wanted]
+    elif not args.all:
+        statuses = [s for s in statuses if not _is_internal(s)]
+    return statuses, now
+
+
+def _is_internal(s: QueueStatus) -> bool:
+    """Kombu's and Celery's own plumbing (pidbox, events, reply queues) when idle: hidden from
+    status and top unless --all, or unless something is waiting there."""
+    name = s.queue
+    plumbing = (
+        name.endswith(".pidbox")
+        or name.startswith("celeryev.")
+        or name.endswith(".reply.celery.pidbox")
+        or (len(name) == 36 and name.count("-") == 4)  # a reply queue named by a uuid
+    )
+    return plumbing and s.total == 0 and s.dead == 0
+
+
+_STATUS_HEAD = ["QUEUE", "READY", "DELAYED", "IN FLIGHT", "DEAD", "OLDEST READY", "CHANNELS"]
+
+
+def _status_row(s: QueueStatus, now: datetime, style: _term.Style) -> list[str]:
+    oldest = s.oldest_ready_age(now)
+    oldest_text = _term.age(oldest)
+    if oldest is not None and oldest >= 60:
+        oldest_text = style(oldest_text, "yellow" if oldest < 600 else "red")
+    dead = _term.number(s.dead)
+    return [
+        style(s.queue, "cyan"),
+        _term.number(s.ready),
+        _term.number(s.delayed),
+        _term.number(s.in_flight),
+        style(dead, "red") if s.dead else dead,
+        oldest_text,
+        _term.number(s.channels),
+    ]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    with _connect(args) as conn:
+        broker.check(conn)
+        statuses, now = _read_status(conn, broker, args)
+    if args.json:
+        _print_json([_status_dict(s, now) for s in statuses])
+        return 0
+    style = _style(args)
+    if not statuses:
+        print("no queues" if not args.queues else "no such queue")
+        return 0 if not args.queues else 1
+    rows = [_status_row(s, now, style) for s in statuses]
+    print(_term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 7))))
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     broker = Broker(args.schema)
     with _connect(args) as conn:
@@ -140,22 +333,541 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 }
             )
     if args.json:
-        print(json.dumps(rows, indent=2))
+        _print_json(rows)
     else:
         headers = ["queue", "total", "ready", "delayed", "in_flight", "channels"]
-        table = [headers] + [[str(r[h]) for h in headers] for r in rows]
-        widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
-        for line in table:
-            print("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
+        table = [[str(r[h]) for h in headers] for r in rows]
+        print(_term.table(headers, table, _style(args), right=frozenset(range(1, 6))))
     return 0
 
 
-def _print(data: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(data, indent=2))
-        return
-    for key, value in data.items():
-        print(f"{key}: {value}")
+_TOP_HEAD = [*_STATUS_HEAD, "ENQ/S", "DELIV/S", "ACK/S", "DEAD/S"]
+
+
+def _rates(
+    s: QueueStatus, before: dict[str, QueueStatus], elapsed: float | None
+) -> list[float | None]:
+    prev = before.get(s.queue)
+    if prev is None or not elapsed:
+        return [None, None, None, None]
+    a, b = prev.counters, s.counters
+    return [
+        max(0, b.enqueued - a.enqueued) / elapsed,
+        max(0, b.delivered - a.delivered) / elapsed,
+        max(0, b.acked - a.acked) / elapsed,
+        max(0, b.dead - a.dead) / elapsed,
+    ]
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    style = _style(args)
+    live = sys.stdout.isatty() and not args.json
+    before: dict[str, QueueStatus] = {}
+    last: float | None = None
+    shown = 0
+    where = mask_password(_dsn(args))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        with _connect(args) as conn:
+            broker.check(conn)
+            while True:
+                statuses, now = _read_status(conn, broker, args)
+                tick = time.monotonic()
+                elapsed = None if last is None else tick - last
+                if args.json:
+                    print(
+                        json.dumps(
+                            {
+                                "time": now.isoformat(),
+                                "queues": [
+                                    {
+                                        **_status_dict(s, now),
+                                        "rates": dict(
+                                            zip(
+                                                ("enqueued", "delivered", "acked", "dead"),
+                                                _rates(s, before, elapsed),
+                                                strict=True,
+                                            )
+                                        ),
+                                    }
+                                    for s in statuses
+                                ],
+                            },
+                            default=_term.jsonable,
+                        ),
+                        flush=True,
+                    )
+                else:
+                    rows = []
+                    totals = [0.0, 0.0, 0.0, 0.0]
+                    for s in statuses:
+                        rates = _rates(s, before, elapsed)
+                        for i, r in enumerate(rates):
+                            totals[i] += r or 0.0
+                        rows.append(_status_row(s, now, style) + [_term.rate(r) for r in rates])
+                    title = style(
+                        f"lonnymq top  {where}  schema {args.schema}  "
+                        f"{now.astimezone().strftime('%Y-%m-%d %H:%M:%S')}",
+                        "bold",
+                    )
+                    summary = (
+                        f"{len(statuses)} queue(s)  "
+                        f"ready {_term.number(sum(s.ready or 0 for s in statuses))}  "
+                        f"in flight {_term.number(sum(s.in_flight for s in statuses))}  "
+                        f"dead {_term.number(sum(s.dead for s in statuses))}  "
+                        + (
+                            f"enq/s {_term.rate(totals[0])}  deliv/s {_term.rate(totals[1])}  "
+                            f"ack/s {_term.rate(totals[2])}"
+                            if elapsed
+                            else "rates after the next refresh"
+                        )
+                    )
+                    body = _term.table(_TOP_HEAD, rows, style, right=frozenset(range(1, 11)))
+                    text = f"{title}\n{summary}\n\n{body}\n"
+                    if live:
+                        sys.stdout.write("\x1b[H\x1b[2J" + text)
+                        sys.stdout.write(
+                            style(f"\nrefresh every {args.interval:g}s, Ctrl-C to quit", "dim")
+                            + "\n"
+                        )
+                    else:
+                        sys.stdout.write(text + "\n")
+                    sys.stdout.flush()
+                before = {s.queue: s for s in statuses}
+                last = tick
+                shown += 1
+                if args.iterations and shown >= args.iterations:
+                    return 0
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_channels(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    with _connect(args) as conn:
+        broker.check(conn)
+        channels = broker.queue(args.queue).channels(conn, limit=args.limit)
+        now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    if args.json:
+        _print_json([dict(_term_fields(c)) for c in channels])
+        return 0
+    style = _style(args)
+    if not channels:
+        print(f"queue {args.queue!r} has no channels")
+        return 0
+    head = [
+        "CHANNEL", "SIZE", "IN FLIGHT", "MAX CONC", "MAX SIZE", "POLICY", "WAITING",
+        "ENQUEUED", "ACKED", "DEAD",
+    ]  # fmt: skip
+    rows = []
+    for c in channels:
+        full = c.max_size is not None and c.size >= c.max_size
+        busy = c.max_concurrency is not None and c.in_flight >= c.max_concurrency
+        size = _term.number(c.size)
+        conc = _term.number(c.in_flight)
+        rows.append(
+            [
+                style(c.channel, "cyan"),
+                style(size, "red") if full else size,
+                style(conc, "yellow") if busy else conc,
+                _term.number(c.max_concurrency),
+                _term.number(c.max_size),
+                "own" if c.has_policy else "queue",
+                _term.since(c.waiting_since, now),
+                _term.number(c.enqueued),
+                _term.number(c.acked),
+                _term.number(c.dead),
+            ]
+        )
+    print(_term.table(head, rows, style, right=frozenset({1, 2, 3, 4, 6, 7, 8, 9})))
+    return 0
+
+
+def _term_fields(obj: Any) -> list[tuple[str, Any]]:
+    return [(name, getattr(obj, name)) for name in obj.__slots__]
+
+
+# -- queue settings ------------------------------------------------------------------------------
+
+
+def cmd_queue(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    queue = broker.queue(args.queue)
+    with _connect(args) as conn:
+        broker.check(conn)
+        if args.action == "set":
+            changes: dict[str, Any] = {}
+            if args.max_attempts is not _UNSET:
+                changes["max_attempts"] = args.max_attempts
+            if args.dead_letter is not None:
+                changes["dead_letter"] = args.dead_letter
+            if args.dead_retention is not None:
+                changes["dead_retention_ms"] = args.dead_retention
+            if not changes:
+                raise SystemExit(
+                    "lonnymq queue set: nothing to change (--max-attempts, --dead-letter, "
+                    "--dead-retention)"
+                )
+            queue.configure(conn, **changes)
+        settings = queue.settings(conn)
+        policy = queue.policy.get(conn)
+    shown = {
+        "queue": args.queue,
+        "dead_letter": settings.dead_letter,
+        "max_attempts": settings.max_attempts,
+        "dead_retention_ms": settings.dead_retention_ms,
+        "max_concurrency": policy.max_concurrency,
+        "max_size": policy.max_size,
+    }
+    if args.json:
+        _print_json(shown)
+    else:
+        shown["dead_letter"] = "on" if settings.dead_letter else "off"
+        shown["max_attempts"] = settings.max_attempts or "no limit"
+        shown["dead_retention_ms"] = _term.duration(settings.dead_retention_ms)
+        shown["dead_retention"] = shown.pop("dead_retention_ms")
+        _print(shown, False)
+    return 0
+
+
+_UNSET: Any = object()
+
+
+# -- messages ------------------------------------------------------------------------------------
+
+
+_STATE_STYLE = {"ready": "green", "delayed": "blue", "locked": "yellow", "dead": "red"}
+
+
+def _message_dict(m: MessageInfo) -> dict[str, Any]:
+    return {name: _term.jsonable(value) for name, value in _term_fields(m)}
+
+
+def _when_text(m: MessageInfo, now: datetime) -> str:
+    if m.state == "delayed" and m.dequeue_at is not None:
+        return "due in " + _term.age((m.dequeue_at - now).total_seconds())
+    if m.state == "locked" and m.locked_until is not None:
+        left = (m.locked_until - now).total_seconds()
+        return ("lock ends in " + _term.age(left)) if left > 0 else "lock expired"
+    if m.state == "dead":
+        return f"{m.reason}, {_term.since(m.dead_at, now)} ago"
+    if m.dequeue_at is not None:
+        return "ready for " + _term.since(m.dequeue_at, now)
+    return "-"
+
+
+def _list_filters(args: argparse.Namespace) -> dict[str, Any]:
+    return {"queue": args.queue, "channel": args.channel, "state": args.state}
+
+
+def cmd_messages_list(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    out: list[MessageInfo] = []
+    with _connect(args) as conn:
+        broker.check(conn)
+        after = args.after
+        while True:
+            page = broker.messages(
+                conn, **_list_filters(args), after=after, limit=min(args.limit, 1000)
+            )
+            out.extend(page)
+            if not args.all or len(page) < min(args.limit, 1000):
+                break
+            after = page[-1].id
+        if not args.all:
+            out = out[: args.limit]
+        now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    more = not args.all and len(out) == args.limit
+    if args.json:
+        _print_json([_message_dict(m) for m in out])
+        if more:
+            print(f"more: --after {out[-1].id}", file=sys.stderr)
+        return 0
+    if not out:
+        print("no messages")
+        return 0
+    style = _style(args)
+    head = ["ID", "QUEUE", "CHANNEL", "STATE", "ATTEMPTS", "PRIO", "AGE", "WHEN", "NAME", "BYTES"]
+    rows = [
+        [
+            str(m.id),
+            m.queue,
+            m.channel,
+            style(m.state, _STATE_STYLE[m.state]),
+            str(m.attempts),
+            str(m.priority),
+            _term.since(m.created_at, now),
+            _when_text(m, now),
+            m.name or "-",
+            _term.number(m.size),
+        ]
+        for m in out
+    ]
+    print(_term.table(head, rows, style, right=frozenset({0, 4, 5, 6, 9})))
+    if more:
+        print(
+            style(f"more: lonnymq messages list ... --after {out[-1].id} (or --all)", "dim"),
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _body(detail: MessageDetail) -> tuple[Any, dict[str, Any] | None]:
+    """The kombu payload's body, decoded where it can be (base64, then JSON), and the
+    payload's headers."""
+    payload = detail.payload()
+    if payload is None:
+        return detail.content.decode("utf-8", "replace"), None
+    body = payload.get("body")
+    props = payload.get("properties") or {}
+    if isinstance(body, str) and props.get("body_encoding") == "base64":
+        try:
+            body = base64.b64decode(body).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            return body, payload.get("headers")
+    if isinstance(body, str) and "json" in str(payload.get("content-type", "")):
+        with contextlib.suppress(ValueError):
+            body = json.loads(body)
+    return body, payload.get("headers")
+
+
+def cmd_messages_show(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    with _connect(args) as conn:
+        broker.check(conn)
+        detail = broker.message(conn, args.id)
+        now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    if detail is None:
+        print(f"lonnymq: no message {args.id}", file=sys.stderr)
+        return 1
+    body, headers = _body(detail)
+    meta = {
+        name: _term.jsonable(value)
+        for name, value in _term_fields(detail)
+        if name not in ("content", "saved_state")
+    }
+    if args.json:
+        _print_json(
+            {
+                **meta,
+                "headers": headers,
+                "body": body,
+                "content_bytes": len(detail.content),
+                "saved_state": _term.jsonable(detail.saved_state),
+            }
+        )
+        return 0
+    style = _style(args)
+    info = MessageInfo(
+        detail.id, detail.queue, detail.channel, detail.name, detail.priority,
+        detail.attempts, detail.state, detail.dequeue_at, detail.locked_until,
+        detail.created_at, detail.dead_at, detail.reason, len(detail.content),
+    )  # fmt: skip
+    rows = [
+        ("id", str(detail.id)),
+        ("queue", detail.queue),
+        ("channel", detail.channel),
+        ("state", style(detail.state, _STATE_STYLE[detail.state]) + "  " + _when_text(info, now)),
+        ("attempts", str(detail.attempts)),
+        ("priority", str(detail.priority)),
+        ("name", detail.name or "-"),
+        ("created", f"{_term.when(detail.created_at)} ({_term.since(detail.created_at, now)} ago)"),
+    ]
+    if detail.expires_at is not None:
+        rows.append(("expires", _term.when(detail.expires_at)))
+    if detail.state == "dead":
+        rows.append(("dead since", _term.when(detail.dead_at)))
+        rows.append(("reason", detail.reason or "-"))
+    if headers and headers.get("task"):
+        rows.append(("task", str(headers["task"])))
+    rows.append(("bytes", _term.number(len(detail.content))))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{style(key.ljust(width), 'bold')}  {value}")
+    if headers:
+        print(style("headers", "bold"))
+        print(json.dumps(headers, indent=2, default=str))
+    print(style("body", "bold"))
+    print(body if isinstance(body, str) else json.dumps(body, indent=2, default=str))
+    return 0
+
+
+def _bulk_ids(
+    conn: psycopg.Connection[Any], broker: Broker, args: argparse.Namespace, state: str | None
+) -> list[int]:
+    ids: list[int] = []
+    after = 0
+    while True:
+        page = broker.messages(
+            conn,
+            queue=args.queue,
+            channel=args.channel,
+            state=state_arg(state),
+            after=after,
+            limit=1000,
+        )
+        ids.extend(m.id for m in page)
+        if len(page) < 1000:
+            return ids
+        after = page[-1].id
+
+
+def _targets(
+    conn: psycopg.Connection[Any],
+    broker: Broker,
+    args: argparse.Namespace,
+    verb: str,
+    default_state: str | None,
+) -> list[int] | None:
+    """The ids given, or with --all those matching the filters (after a confirmation)."""
+    if args.ids:
+        if args.all:
+            raise SystemExit(f"lonnymq messages {verb}: give ids or --all, not both")
+        return list(dict.fromkeys(args.ids))
+    if not args.all:
+        raise SystemExit(f"lonnymq messages {verb}: give message ids, or --queue Q --all")
+    if not args.queue:
+        raise SystemExit(f"lonnymq messages {verb} --all needs --queue")
+    state = args.state or default_state
+    ids = _bulk_ids(conn, broker, args, state)
+    if not ids:
+        return []
+    what = f"{len(ids):,} {state or ''} message(s)".replace("  ", " ")
+    where = f"queue {args.queue!r}" + (f" channel {args.channel!r}" if args.channel else "")
+    if not _confirm(f"{verb} {what} of {where}?", args):
+        print("nothing done", file=sys.stderr)
+        return None
+    return ids
+
+
+def _in_chunks(ids: list[int], what: str, call: Callable[[list[int]], None]) -> None:
+    progress = _term.Progress(what, len(ids))
+    try:
+        for i in range(0, len(ids), 1000):
+            chunk = ids[i : i + 1000]
+            call(chunk)
+            progress.add(len(chunk))
+    finally:
+        progress.finish()
+
+
+def cmd_messages_delete(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    results: dict[int, str] = {}
+    with _connect(args) as conn:
+        broker.check(conn)
+        ids = _targets(conn, broker, args, "delete", None)
+        if ids is None:
+            return 1
+        _in_chunks(ids, "deleting", lambda chunk: results.update(broker.remove(conn, chunk)))
+    deleted = [i for i, r in results.items() if r == "deleted"]
+    missing = [i for i, r in results.items() if r != "deleted"]
+    if args.json:
+        _print_json({"deleted": deleted, "not_found": missing})
+    else:
+        print(f"deleted {len(deleted):,} message(s)")
+        if missing:
+            print(f"not found: {', '.join(map(str, missing[:20]))}", file=sys.stderr)
+    return 1 if missing and args.ids else 0
+
+
+def cmd_messages_retry(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    results = []
+    with _connect(args) as conn:
+        broker.check(conn)
+        ids = _targets(conn, broker, args, "retry", "dead")
+        if ids is None:
+            return 1
+        _in_chunks(ids, "retrying", lambda chunk: results.extend(broker.retry(conn, chunk)))
+    if args.json:
+        _print_json([{"id": r.id, "result": r.result, "new_id": r.new_id} for r in results])
+    else:
+        counts: dict[str, int] = {}
+        for r in results:
+            counts[r.result] = counts.get(r.result, 0) + 1
+        for r in results[:50]:
+            extra = f" -> message {r.new_id}" if r.new_id else ""
+            print(f"{r.id}: {r.result}{extra}")
+        if len(results) > 50:
+            print(f"... {len(results) - 50:,} more")
+        print(", ".join(f"{n:,} {what}" for what, n in sorted(counts.items())) or "nothing")
+    failed = [r for r in results if r.result in ("not_found", "channel_full", "locked")]
+    return 1 if failed and args.ids else 0
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    queue = broker.queue(args.queue)
+    with _connect(args) as conn:
+        broker.check(conn)
+        known = {s.queue: s for s in broker.status(conn, count_ready=False)}
+        if args.queue not in known:
+            print(f"lonnymq: no queue {args.queue!r}", file=sys.stderr)
+            return 1
+        s = known[args.queue]
+        if args.dead:
+            question = f"delete the {s.dead:,} dead letter(s) of queue {args.queue!r}?"
+        else:
+            question = (
+                f"delete the {s.waiting:,} waiting message(s) of queue {args.queue!r} "
+                f"({s.in_flight:,} held by consumers stay)?"
+            )
+        if not _confirm(question, args):
+            print("nothing done", file=sys.stderr)
+            return 1
+        with _term.working(f"purging {args.queue}"):
+            n = queue.purge_dead(conn) if args.dead else queue.purge(conn)
+    what = "dead letter(s)" if args.dead else "message(s)"
+    if args.json:
+        _print_json({"queue": args.queue, "deleted": n, "dead": bool(args.dead)})
+    else:
+        print(f"purged {n:,} {what} from queue {args.queue!r}")
+    return 0
+
+
+# -- metrics, housekeeping --------------------------------------------------------------------
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from . import metrics
+
+    dsn = _dsn(args)
+    try:
+        server = metrics.serve(
+            dsn, args.schema, port=args.port, addr=args.addr, count_ready=not args.no_count
+        )
+    except OSError as exc:
+        raise SystemExit(f"lonnymq metrics: cannot listen on port {args.port}: {exc}") from None
+    print(
+        f"serving lonnymq metrics of {mask_password(dsn)} schema {args.schema!r} on "
+        f"http://{args.addr}:{server.port}/metrics",
+        flush=True,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.close()
+
+
+def cmd_housekeep(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    with _connect(args) as conn:
+        broker.check(conn)
+        messages, queues = broker.expire(conn)
+        pruned = broker.housekeep(conn)
+    result = {"expired_messages": messages, "expired_queues": queues, "dead_pruned": pruned}
+    _print(result, args.json)
+    return 0
+
+
+# -- the parser ----------------------------------------------------------------------------------
 
 
 def parser() -> argparse.ArgumentParser:
@@ -163,15 +875,49 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--dsn", help="database URL or libpq string (default: $DATABASE_URL)")
     common.add_argument("--schema", default=migrator.DEFAULT_SCHEMA, help="lonnymq schema")
     common.add_argument("--json", action="store_true", help="print JSON")
+    common.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="colour the output (auto: on a terminal, unless NO_COLOR is set)",
+    )
 
     top = argparse.ArgumentParser(prog="lonnymq", description="lonnymq: a queue in Postgres")
-    sub = top.add_subparsers(dest="command", required=True)
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     migrate = sub.add_parser("migrate", parents=[common], help="install or upgrade the schema")
     migrate.add_argument(
         "--print-sql", action="store_true", help="print the SQL it would run, and run nothing"
     )
     migrate.set_defaults(func=cmd_migrate)
+
+    def status_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("queues", nargs="*", metavar="QUEUE", help="default: every queue")
+        p.add_argument(
+            "--no-count",
+            action="store_true",
+            help="skip counting ready/delayed messages (cost grows with the backlog)",
+        )
+        p.add_argument(
+            "--all", action="store_true", help="also show idle Celery/kombu plumbing queues"
+        )
+
+    status = sub.add_parser(
+        "status", parents=[common], help="per queue: ready, delayed, in flight, dead, oldest"
+    )
+    status_args(status)
+    status.set_defaults(func=cmd_status)
+
+    topp = sub.add_parser("top", parents=[common], help="status, refreshing, with rates")
+    status_args(topp)
+    topp.add_argument("--interval", type=_seconds, default=2.0, help="seconds between refreshes")
+    topp.add_argument("--iterations", type=_positive, default=None, help="stop after N refreshes")
+    topp.set_defaults(func=cmd_top)
+
+    channels = sub.add_parser("channels", parents=[common], help="the largest channels of a queue")
+    channels.add_argument("queue")
+    channels.add_argument("--limit", type=_positive, default=20)
+    channels.set_defaults(func=cmd_channels)
 
     policy = sub.add_parser("policy", help="channel and queue-default policies")
     actions = policy.add_subparsers(dest="action", required=True)
@@ -184,6 +930,81 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--max-size", type=_limit, default=None, metavar="N|none")
         p.set_defaults(func=cmd_policy)
 
+    queue = sub.add_parser("queue", help="a queue's settings: dead letters, attempts, retention")
+    qactions = queue.add_subparsers(dest="action", required=True)
+    qshow = qactions.add_parser("show", parents=[common])
+    qshow.add_argument("queue")
+    qshow.set_defaults(func=cmd_queue)
+    qset = qactions.add_parser("set", parents=[common])
+    qset.add_argument("queue")
+    qset.add_argument(
+        "--max-attempts",
+        type=_attempts,
+        default=_UNSET,
+        metavar="N|none",
+        help="deliveries before a message is dead-lettered (default 20)",
+    )
+    qset.add_argument(
+        "--dead-letter", type=_on_off, default=None, metavar="on|off", help="keep dead letters"
+    )
+    qset.add_argument(
+        "--dead-retention",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="how long dead letters are kept, e.g. 14d, 36h",
+    )
+    qset.set_defaults(func=cmd_queue)
+
+    messages = sub.add_parser("messages", help="list, show, delete, retry messages")
+    mactions = messages.add_subparsers(dest="action", required=True)
+
+    def filters(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--queue")
+        p.add_argument("--channel")
+        p.add_argument("--state", choices=STATES)
+
+    mlist = mactions.add_parser("list", parents=[common], help="messages by id, paged")
+    filters(mlist)
+    mlist.add_argument("--after", type=int, default=0, metavar="ID", help="the page after ID")
+    mlist.add_argument("--limit", type=_positive, default=50)
+    mlist.add_argument("--all", action="store_true", help="every page")
+    mlist.set_defaults(func=cmd_messages_list)
+    mshow = mactions.add_parser("show", parents=[common], help="one message with its body")
+    mshow.add_argument("id", type=_positive)
+    mshow.set_defaults(func=cmd_messages_show)
+    for verb, func, doc in (
+        ("delete", cmd_messages_delete, "delete messages or dead letters"),
+        ("retry", cmd_messages_retry, "dead letters back to their queue; delayed due now"),
+    ):
+        p = mactions.add_parser(verb, parents=[common], help=doc)
+        p.add_argument("ids", nargs="*", type=_positive, metavar="ID")
+        filters(p)
+        p.add_argument("--all", action="store_true", help="every message matching the filters")
+        p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+        p.set_defaults(func=func)
+
+    purge = sub.add_parser("purge", parents=[common], help="delete a queue's waiting messages")
+    purge.add_argument("queue")
+    purge.add_argument("--dead", action="store_true", help="delete its dead letters instead")
+    purge.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    purge.set_defaults(func=cmd_purge)
+
+    metrics = sub.add_parser(
+        "metrics", parents=[common], help="serve Prometheus metrics for the whole database"
+    )
+    metrics.add_argument("--port", type=int, default=9808)
+    metrics.add_argument("--addr", default="0.0.0.0")
+    metrics.add_argument(
+        "--no-count", action="store_true", help="skip counting ready/delayed messages"
+    )
+    metrics.set_defaults(func=cmd_metrics)
+
+    housekeep = sub.add_parser(
+        "housekeep", parents=[common], help="expire messages, prune old dead letters"
+    )
+    housekeep.set_defaults(func=cmd_housekeep)
+
     grant = sub.add_parser(
         "grant", parents=[common], help="give a database role a lonnymq kind of rights"
     )
@@ -194,7 +1015,7 @@ def parser() -> argparse.ArgumentParser:
     revoke.add_argument("role")
     revoke.set_defaults(func=cmd_grant)
 
-    stats = sub.add_parser("stats", parents=[common], help="counters of queues")
+    stats = sub.add_parser("stats", parents=[common], help="counters of queues (see status)")
     stats.add_argument("queues", nargs="*", help="default: every queue")
     stats.set_defaults(func=cmd_stats)
     return top
@@ -204,9 +1025,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         code: int = args.func(args)
-    except LonnyMQError as exc:
+    except (LonnyMQError, InvalidArgument) as exc:
         print(f"lonnymq: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `lonnymq messages list --all | head`
+        sys.stderr.close()
+        return 0
     return code
 
 

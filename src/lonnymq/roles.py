@@ -5,12 +5,15 @@ DEFINER`` with a fixed ``search_path``) and no function is executable by ``PUBLI
 needs no rights on the tables: it gets ``EXECUTE`` on the functions of its kind.
 
 * ``producer``: create and publish messages, and declare what it publishes to (kombu and Celery
-  declare exchanges, queues and bindings before publishing); read the queue counters.
+  declare exchanges, queues and bindings before publishing); read the queue counters and
+  status (``lonnymq status`` and ``lonnymq metrics`` need no more).
 * ``worker``: everything a producer may do (a Celery worker publishes retries, results and
   events) plus dequeue, ack (delete), defer, heartbeat, and the housekeeping its transport
-  does (touching expiring queues, dropping expired messages).
-* ``admin``: everything, including policies, purge and delete, and reading every table
-  (messages included). Installing and upgrading (``lonnymq migrate``) needs the owner.
+  does (touching expiring queues, dropping expired messages, pruning old dead letters), and
+  reject to the dead letters.
+* ``admin``: everything, including policies, queue settings, purge and delete, listing,
+  showing, deleting and retrying messages and dead letters, and reading every table (messages
+  included). Installing and upgrading (``lonnymq migrate``) needs the owner.
 
 Every kind may read the metadata tables (migration, queue, exchange, binding).
 
@@ -40,10 +43,14 @@ _PRODUCER = (
     "queue_declare_v1",
     "queue_bind_v1",
     "queue_stats_v1",
+    "queue_status_v1",
 )
 _WORKER = (
     *_PRODUCER,
     "message_dequeue_v1",
+    "message_dequeue_v2",
+    "message_reject_v1",
+    "housekeep_v1",
     "message_delete_v1",
     "message_delete_many_v1",
     "message_defer_v1",
@@ -60,6 +67,13 @@ _ADMIN = (
     "queue_purge_v1",
     "queue_delete_v1",
     "exchange_delete_v1",
+    "channel_list_v1",
+    "message_list_v1",
+    "message_get_v1",
+    "message_remove_v1",
+    "message_retry_v1",
+    "dead_purge_v1",
+    "queue_configure_v1",
 )
 FUNCTIONS: dict[Kind, tuple[str, ...]] = {
     "producer": _PRODUCER,

@@ -21,7 +21,9 @@ Features
 - Delivery: a consumer dequeues up to its free prefetch window across its queues in one round
   trip and locks the messages for ``visibility_timeout``; ack deletes; reject with requeue and
   the restore of unacked messages at shutdown unlock the same row; reject without requeue
-  deletes. No-ack consumers delete on delivery. A live consumer extends the locks of every
+  moves it to the queue's dead letters (``lonnymq messages list --state dead``), and so does
+  a message delivered ``max_attempts`` times (default 20) whose consumers died. No-ack
+  consumers delete on delivery. A live consumer extends the locks of every
   message it holds (prefetched or running) from a background thread; a dead consumer's
   messages come back after ``visibility_timeout``.
 - Idle consumers wait on LISTEN/NOTIFY, and wake for delayed messages and expiring locks by
@@ -34,8 +36,9 @@ Transport options (``transport_options`` / Celery ``broker_transport_options``):
 (visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
 ``batch_size`` (100), ``auto_install`` (True), ``max_message_bytes`` (8 MiB),
 ``expire_interval`` (10 s), ``consumer_commit`` (``"async"``), ``connect_timeout``,
-``policies`` (channel policies declared in configuration, applied when a process first
-connects).
+``policies`` (channel policies and queue settings declared in configuration, applied when a
+process first connects), ``metrics_port`` (serve this process's Prometheus metrics).
+Log events: the ``lonnymq.events`` logger (see :mod:`lonnymq.logs`).
 See :class:`lonnymq._options.Options` and ``docs/transport.md``. Unknown options are errors.
 """
 
@@ -57,7 +60,7 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.utils.json import dumps, loads
 
-from . import _headers, _url
+from . import _events, _headers, _url
 from ._acks import Ack, AckBuffer
 from ._heartbeat import Heartbeat
 from ._options import Options
@@ -71,6 +74,7 @@ from .queue._ops import Op, async_commit, run
 from .queue.admin import delete_queue_op, purge_op, stats_op
 from .queue.dequeue import DequeueResult, dequeue_op
 from .queue.finalize import defer_op, delete_op
+from .queue.operate import configure_op, reject_op, status_op
 from .queue.routing import (
     all_bindings_op,
     bind_op,
@@ -100,11 +104,14 @@ class QoS(virtual.QoS):
     def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
         self._held: dict[str, Held] = {}
+        self._where: dict[str, tuple[str, str]] = {}
         self._held_lock = threading.Lock()
 
-    def hold(self, delivery_tag: str, ref: Held) -> None:
+    def hold(self, delivery_tag: str, ref: Held, where: tuple[str, str] | None = None) -> None:
         with self._held_lock:
             self._held[delivery_tag] = ref
+            if where is not None:
+                self._where[delivery_tag] = where
 
     def held(self) -> list[Held]:
         with self._held_lock:
@@ -112,7 +119,12 @@ class QoS(virtual.QoS):
 
     def _release(self, delivery_tag: str) -> Held | None:
         with self._held_lock:
+            self._where.pop(delivery_tag, None)
             return self._held.pop(delivery_tag, None)
+
+    def _release_where(self, delivery_tag: str) -> tuple[Held | None, tuple[str, str] | None]:
+        with self._held_lock:
+            return self._held.pop(delivery_tag, None), self._where.pop(delivery_tag, None)
 
     def _window_full(self) -> bool:
         return bool(self.prefetch_count) and not self.can_consume()
@@ -127,10 +139,16 @@ class QoS(virtual.QoS):
         """Delete or release the row, and free the prefetch slot even if that fails (the
         message then comes back when its lock expires). A delete may be handed to the
         thread draining events, which sends it with its next dequeue (see ``_acks``)."""
-        ref = self._release(delivery_tag)
+        ref, where = self._release_where(delivery_tag)
         full = self._window_full()
         transport = self.channel.connection
-        if ref is not None and not requeue:
+        if ref is not None:
+            queue, lane = where if where is not None else (None, None)
+            if why == "ack":
+                _events.acked(ref[0], queue, lane)
+            elif requeue:
+                _events.deferred(ref[0], queue, lane, why)
+        if ref is not None and why == "ack":
             ack = transport.acks.offer(ref)
             if ack is not None:
                 self._quick_ack(delivery_tag)
@@ -144,7 +162,7 @@ class QoS(virtual.QoS):
                 return
         try:
             if ref is not None:
-                self.channel._finalize(ref, requeue=requeue, why=why)
+                self.channel._finalize(ref, requeue=requeue, why=why, where=where)
         finally:
             self._quick_ack(delivery_tag)
             if full:
@@ -156,6 +174,7 @@ class QoS(virtual.QoS):
         self.channel.connection.send_acks(self.channel.connection.acks.take())
         with self._held_lock:
             held, self._held = list(self._held.values()), {}
+            self._where = {}
         self._delivered.clear()
         if held:
             try:
@@ -206,14 +225,22 @@ class Channel(virtual.Channel):
             cache[exchange] = found
         return cache[exchange]
 
-    def _finalize(self, ref: Held, *, requeue: bool, why: str) -> None:
+    def _finalize(
+        self, ref: Held, *, requeue: bool, why: str, where: tuple[str, str] | None = None
+    ) -> None:
+        """Ack (delete), requeue (defer in place) or, for a reject without requeue, move the
+        message to the dead letters."""
         schema = self.options.schema
-        op = (
-            defer_op(schema, ref[0], ref[1], delay_ms=None)
-            if requeue
-            else delete_op(schema, ref[0], ref[1])
-        )
+        if requeue:
+            op = defer_op(schema, ref[0], ref[1], delay_ms=None)
+        elif why == "ack":
+            op = delete_op(schema, ref[0], ref[1])
+        else:
+            op = reject_op(schema, ref[0], ref[1], reason="rejected")
         outcome = self._consume(op)
+        if outcome is Outcome.OK and not requeue and why != "ack":
+            queue, lane = where if where is not None else (None, None)
+            _events.dead_lettered(ref[0], queue, lane, "rejected", None)
         if outcome is not Outcome.OK:
             logger.warning(
                 "lonnymq: %s of message %d ignored: %s (its lock expired and it was "
@@ -367,10 +394,14 @@ class Channel(virtual.Channel):
         caller = current_connection()
         # inside lonnymq.transaction(conn): in the caller's transaction, on its connection
         routed = self._run(op) if caller is None else run(caller, op)
+        lane = str(headers.get("x-channel") or routing_key)
+        for queue, code, message_id in routed.results:
+            if code == "created" and message_id is not None:
+                _events.enqueued(queue, lane or queue, message_id)
         if routed.dropped:
-            raise ChannelFull(
-                routed.dropped[0], str(headers.get("x-channel") or routing_key or routed.dropped[0])
-            )
+            for queue in routed.dropped:
+                _events.channel_full(queue, lane or queue)
+            raise ChannelFull(routed.dropped[0], lane or routed.dropped[0])
         if not routed.queues:
             # as on RabbitMQ, unroutable messages are dropped. Broadcasts nobody listens to
             # (Celery's pidbox on a fanout exchange, its events on a topic exchange) are
@@ -410,7 +441,10 @@ class Channel(virtual.Channel):
             self._consume(delete_many_op(self.options.schema, [(message.id, message.lock_token)]))
             return self.Message(payload, channel=self)
         tag = payload["properties"]["delivery_tag"]
-        self.qos.hold(tag, (message.id, message.lock_token))
+        _events.dequeued(
+            message.id, message.queue, message.channel, message.attempts, message.lock_expired
+        )
+        self.qos.hold(tag, (message.id, message.lock_token), (message.queue, message.channel))
         msg = self.Message(payload, channel=self)
         self.qos.append(msg, tag)
         return msg
@@ -420,12 +454,20 @@ class Channel(virtual.Channel):
         if not result.messages:
             raise Empty()
         message = result.messages[0]
-        self.qos.hold(self._tag(message), (message.id, message.lock_token))
+        _events.dequeued(
+            message.id, message.queue, message.channel, message.attempts, message.lock_expired
+        )
+        self.qos.hold(
+            self._tag(message), (message.id, message.lock_token), (message.queue, message.channel)
+        )
         return self._payload(message)
 
     def _dequeue(self, queues: list[str], limit: int) -> DequeueResult:
         op = dequeue_op(self.options.schema, queues, limit=limit, lock_ms=self.options.lock_ms)
+        started = time.perf_counter()
         result: DequeueResult = self._consume(op)
+        _events.dequeue_time(time.perf_counter() - started)
+        _report_dead(result)
         return result
 
     @staticmethod
@@ -455,9 +497,12 @@ class Channel(virtual.Channel):
         limit = min(free or self.options.batch_size, self.options.batch_size)
         queues = list(dict.fromkeys(self._active_queues))
         op = dequeue_op(self.options.schema, queues, limit=limit, lock_ms=self.options.lock_ms)
+        started = time.perf_counter()
         result: DequeueResult = self.connection.send_acks(
             self.connection.acks.take(), then=self.connection.consumer_op(op)
         )
+        _events.dequeue_time(time.perf_counter() - started)
+        _report_dead(result)
         if not result.messages:
             return 0, result.retry_ms
         batch = self._decodable(result.messages)
@@ -469,8 +514,15 @@ class Channel(virtual.Channel):
                 delete_many_op(self.options.schema, [(m.id, m.lock_token) for m in no_ack])
             )
         for message, _ in batch:
+            _events.dequeued(
+                message.id, message.queue, message.channel, message.attempts, message.lock_expired
+            )
             if message.queue not in self._no_ack_queues:
-                self.qos.hold(self._tag(message), (message.id, message.lock_token))
+                self.qos.hold(
+                    self._tag(message),
+                    (message.id, message.lock_token),
+                    (message.queue, message.channel),
+                )
         delivered = 0
         acks = self.connection.acks
         acks.delivering(True)
@@ -491,27 +543,41 @@ class Channel(virtual.Channel):
 
     def _decodable(self, messages: list[QueueMessage]) -> list[tuple[QueueMessage, dict[str, Any]]]:
         """The messages with their kombu payloads. One that is not a kombu payload (written by
-        something else) is logged and put aside for an hour instead of failing the consumer on
-        every redelivery; it stays in the queue for a person to look at."""
+        something else) is logged and moved to the dead letters (reason ``undecodable``)
+        instead of failing the consumer on every redelivery: it is kept for a person to look
+        at (``lonnymq messages show ID``). Where the queue keeps no dead letters, it is put
+        aside for an hour instead."""
         out = []
         for message in messages:
             try:
                 out.append((message, self._payload(message)))
             except (ValueError, TypeError, AttributeError) as exc:
                 logger.error(
-                    "lonnymq: message %d in queue %r is not a kombu message (%s); deferred "
-                    "for an hour",
+                    "lonnymq: message %d in queue %r is not a kombu message (%s)",
                     message.id,
                     message.queue,
                     exc,
                 )
                 with contextlib.suppress(LonnyMQError):
-                    self._run(
-                        defer_op(
-                            self.options.schema, message.id, message.lock_token, delay_ms=3_600_000
-                        )
-                    )
+                    self._put_aside(message)
         return out
+
+    def _put_aside(self, message: QueueMessage) -> None:
+        schema = self.options.schema
+        if self._keeps_dead_letters(message.queue):
+            op = reject_op(schema, message.id, message.lock_token, reason="undecodable")
+            if self._run(op) is Outcome.OK:
+                _events.dead_lettered(
+                    message.id, message.queue, message.channel, "undecodable", message.attempts
+                )
+            return
+        self._run(defer_op(schema, message.id, message.lock_token, delay_ms=3_600_000))
+
+    def _keeps_dead_letters(self, queue: str) -> bool:
+        for status in self._run(status_op(self.options.schema, count_ready=False)):
+            if status.queue == queue:
+                return bool(status.settings.dead_letter)
+        return True
 
     def _restore(self, message: Any) -> None:
         ref = self.qos._release(message.delivery_tag)
@@ -606,21 +672,28 @@ class Transport(virtual.Transport):
 
     def establish_connection(self) -> Any:
         self.pg.connection()
+        if self.options.metrics_port is not None:
+            _events.serve_metrics(self.options.metrics_port)
         if self.options.policies and not self._policies_applied:
             self._apply_policies(self.options.policies)
             self._policies_applied = True
         return super().establish_connection()
 
     def _apply_policies(self, policies: dict[str, Any]) -> None:
-        """Apply the policies declared in the transport options, in one batch."""
-        batch = Broker(self.options.schema).batch()
+        """Apply the policies and queue settings declared in the transport options, in one
+        transaction."""
+        schema = self.options.schema
+        batch = Broker(schema).batch()
         for queue, spec in policies.items():
             if "default" in spec:
                 batch.queue(queue).policy.set(**spec["default"])
             for channel, limits in spec.get("channels", {}).items():
                 batch.queue(queue).channel(channel).policy.set(**limits)
-        with self.pg.locked() as conn:
+        with self.pg.locked() as conn, conn.transaction():
             batch.execute(conn)
+            for queue, spec in policies.items():
+                if "settings" in spec:
+                    run(conn, configure_op(schema, queue, **spec["settings"]))
         logger.info("lonnymq: applied the channel policies of %d queue(s)", len(policies))
 
     def close_connection(self, connection: Any) -> None:
@@ -726,3 +799,8 @@ def _client_conninfo(client: Any) -> str:
         client.password() if callable(client.password) else client.password,
         None if vhost in (None, "", "/") else vhost,
     )
+
+
+def _report_dead(result: DequeueResult) -> None:
+    for dead in result.dead:
+        _events.dead_lettered(dead.id, dead.queue, dead.channel, "max_attempts", dead.attempts)

@@ -2,8 +2,17 @@
 
 from .batch import Batch, Pending
 from .broker import Broker, Channel, Queue
-from .dequeue import DequeueResult, Message
+from .dequeue import DeadLettered, DequeueResult, Message
 from .finalize import KEEP
+from .operate import (
+    ChannelStatus,
+    Counters,
+    MessageDetail,
+    MessageInfo,
+    QueueSettings,
+    QueueStatus,
+    RetryResult,
+)
 from .policy import ChannelInfo, Policy
 from .results import Created, CreateResult, Deduplicated, Dropped, Outcome, QueueStats
 
@@ -13,15 +22,23 @@ __all__ = [
     "Broker",
     "Channel",
     "ChannelInfo",
+    "ChannelStatus",
+    "Counters",
     "CreateResult",
     "Created",
+    "DeadLettered",
     "Deduplicated",
     "DequeueResult",
     "Dropped",
     "Message",
+    "MessageDetail",
+    "MessageInfo",
     "Outcome",
     "Pending",
     "Policy",
     "Queue",
+    "QueueSettings",
     "QueueStats",
+    "QueueStatus",
+    "RetryResult",
 ]

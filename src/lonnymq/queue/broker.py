@@ -22,6 +22,26 @@ from .batch import Batch
 from .create import create_op
 from .dequeue import DEFAULT_LOCK_MS, DequeueResult, Message, dequeue_op
 from .finalize import KEEP, defer_op, delete_op, heartbeat_op
+from .operate import (
+    UNSET,
+    ChannelStatus,
+    MessageDetail,
+    MessageInfo,
+    QueueSettings,
+    QueueStatus,
+    RetryResult,
+    State,
+    channels_op,
+    configure_op,
+    dead_purge_op,
+    get_op,
+    housekeep_op,
+    list_op,
+    reject_op,
+    remove_op,
+    retry_op,
+    status_op,
+)
 from .policy import (
     ChannelInfo,
     Policy,
@@ -144,6 +164,58 @@ class Broker:
         """Names of the queues known to the schema."""
         return run(require_sync(conn), list_queues_op(self.schema))
 
+    def reject(
+        self, conn: Conn, message_id: int, lock_token: uuid.UUID, *, reason: str = "rejected"
+    ) -> Outcome:
+        """Reject a held message without requeue: it moves to the dead letters of its queue
+        with ``reason`` (or is deleted where the queue keeps no dead letters)."""
+        op = reject_op(self.schema, message_id, lock_token, reason=reason)
+        return run(require_sync(conn), op)
+
+    # -- operating ---------------------------------------------------------------------------
+
+    def status(self, conn: Conn, *, count_ready: bool = True) -> list[QueueStatus]:
+        """Every queue's gauges, cumulative counters and settings. Splitting waiting messages
+        into ready and delayed reads them (cost grows with the backlog): ``count_ready=False``
+        skips it."""
+        return run(require_sync(conn), status_op(self.schema, count_ready=count_ready))
+
+    def messages(
+        self,
+        conn: Conn,
+        *,
+        queue: str | None = None,
+        channel: str | None = None,
+        state: State | None = None,
+        after: int = 0,
+        limit: int = 50,
+    ) -> list[MessageInfo]:
+        """Messages (live and dead letters) by id, after ``after`` (page with the last id
+        seen), filtered by queue, channel and state (ready, delayed, locked, dead)."""
+        op = list_op(
+            self.schema, queue=queue, channel=channel, state=state, after=after, limit=limit
+        )
+        return run(require_sync(conn), op)
+
+    def message(self, conn: Conn, message_id: int) -> MessageDetail | None:
+        """One message or dead letter, with its content; None when there is no such id."""
+        return run(require_sync(conn), get_op(self.schema, message_id))
+
+    def remove(self, conn: Conn, ids: Iterable[int]) -> dict[int, str]:
+        """Delete messages (whatever their state) and dead letters by id:
+        ``{id: "deleted" | "not_found"}``. A consumer holding one finds it gone when it acks."""
+        return run(require_sync(conn), remove_op(self.schema, list(ids)))
+
+    def retry(self, conn: Conn, ids: Iterable[int]) -> list[RetryResult]:
+        """Put dead letters back in their queue (as new messages, attempts from zero) and make
+        delayed messages due now."""
+        return run(require_sync(conn), retry_op(self.schema, list(ids)))
+
+    def housekeep(self, conn: Conn, *, limit: int = 10_000) -> int:
+        """Prune dead letters past their queue's retention (at most ``limit``) and fold the
+        counter rows; returns how many dead letters went. Consumers run it periodically."""
+        return run(require_sync(conn), housekeep_op(self.schema, limit=limit))
+
 
 class Queue:
     """A queue (a Kombu queue: ``celery``, ``default``...) split into channels."""
@@ -198,6 +270,42 @@ class Queue:
     def size(self, conn: Conn) -> int:
         """Messages waiting (ready or delayed, not held by a consumer), from the counters."""
         return self.stats(conn, count_ready=False).waiting
+
+    def channels(self, conn: Conn, *, limit: int = 20) -> list[ChannelStatus]:
+        """The largest channels, with their policies and counters."""
+        return run(require_sync(conn), channels_op(self.schema, self.name, limit=limit))
+
+    def purge_dead(self, conn: Conn) -> int:
+        """Delete the queue's dead letters; returns how many."""
+        return run(require_sync(conn), dead_purge_op(self.schema, self.name))
+
+    def settings(self, conn: Conn) -> QueueSettings:
+        """The queue's dead-letter settings (the defaults for a queue not created yet)."""
+        for status in self.broker.status(conn, count_ready=False):
+            if status.queue == self.name:
+                return status.settings
+        return QueueSettings(dead_letter=True, max_attempts=20, dead_retention_ms=1_209_600_000)
+
+    def configure(
+        self,
+        conn: Conn,
+        *,
+        dead_letter: bool = UNSET,
+        max_attempts: int | None = UNSET,
+        dead_retention_ms: float = UNSET,
+    ) -> None:
+        """Change the queue's settings; those not given stay. ``dead_letter``: keep rejected
+        and poison messages as dead letters (default True) or drop them; ``max_attempts``:
+        deliveries before a message is dead-lettered (default 20; None: no limit);
+        ``dead_retention_ms``: how long dead letters are kept (default 14 days)."""
+        op = configure_op(
+            self.schema,
+            self.name,
+            dead_letter=dead_letter,
+            max_attempts=max_attempts,
+            dead_retention_ms=dead_retention_ms,
+        )
+        run(require_sync(conn), op)
 
 
 class QueuePolicy:

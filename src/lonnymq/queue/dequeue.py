@@ -13,13 +13,14 @@ import psycopg
 from . import _checks
 from ._ops import Op, Rows, render, require_sync, run
 from .finalize import KEEP, defer_op, delete_op, heartbeat_op
+from .operate import reject_op
 from .results import Outcome
 
 _DEQUEUE: LiteralString = (
     "SELECT message_id, queue_name, channel_name, message_name, message_priority, "
     "message_attempts, message_lock_token, message_created_at, message_content, "
-    "message_state, retry_ms "
-    "FROM {schema}.message_dequeue_v1(%s::text[], %s::integer, %s::bigint)"
+    "message_state, retry_ms, event "
+    "FROM {schema}.message_dequeue_v2(%s::text[], %s::integer, %s::bigint)"
 )
 
 DEFAULT_LOCK_MS = 3_600_000
@@ -43,10 +44,20 @@ class Message:
     content: bytes = field(repr=False)
     #: State saved by an earlier defer, if any.
     state: bytes | None = field(repr=False)
+    #: True when its previous holder's lock expired (the holder died or hung) and it was
+    #: taken over; False for a first delivery or after a requeue.
+    lock_expired: bool = False
 
     def delete(self, conn: psycopg.Connection[Any]) -> Outcome:
         """Delete (acknowledge) the message."""
         return run(require_sync(conn), delete_op(self.schema, self.id, self.lock_token))
+
+    def reject(self, conn: psycopg.Connection[Any], *, reason: str = "rejected") -> Outcome:
+        """Give up on the message: it moves to the dead letters of its queue with ``reason``
+        (or is deleted where the queue keeps no dead letters)."""
+        return run(
+            require_sync(conn), reject_op(self.schema, self.id, self.lock_token, reason=reason)
+        )
 
     def defer(
         self, conn: psycopg.Connection[Any], *, delay_ms: float | None = 0, state: object = KEEP
@@ -64,13 +75,28 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class DeadLettered:
+    """A message the dequeue did not deliver because it had been delivered ``max_attempts``
+    times already: it went to the dead letters of its queue (or was dropped, where the queue
+    keeps none)."""
+
+    id: int
+    queue: str
+    channel: str
+    name: str | None
+    attempts: int
+    created_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
 class DequeueResult:
     """What a dequeue returned: messages in delivery order, or, when there are none,
     ``retry_ms``: how long until something may become available (None: nothing pending; a
-    new message will send a NOTIFY)."""
+    new message will send a NOTIFY). ``dead``: messages dead-lettered instead of delivered."""
 
     messages: list[Message]
     retry_ms: int | None = None
+    dead: list[DeadLettered] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.messages)
@@ -87,8 +113,35 @@ def dequeue_op(
     lock = _checks.milliseconds(lock_ms, "lock_ms", low=1, high=_checks.MAX_LOCK_MS)
 
     def parse(rows: Rows) -> DequeueResult:
-        if len(rows) == 1 and rows[0][0] is None:
-            return DequeueResult([], rows[0][10])
-        return DequeueResult([Message(schema, *row[:10]) for row in rows])
+        messages: list[Message] = []
+        dead: list[DeadLettered] = []
+        retry_ms = None
+        for row in rows:
+            event = row[11]
+            if event == "dead":
+                dead.append(DeadLettered(row[0], row[1], row[2], row[3], row[5], row[7]))
+            elif row[0] is None:
+                retry_ms = row[10]
+            else:
+                ident, queue, lane, name, priority, attempts = row[:6]
+                token, created, content, state = row[6:10]
+                expired = event == "redelivered"
+                messages.append(
+                    Message(
+                        schema,
+                        ident,
+                        queue,
+                        lane,
+                        name,
+                        priority,
+                        attempts,
+                        token,
+                        created,
+                        content,
+                        state,
+                        expired,
+                    )
+                )
+        return DequeueResult(messages, retry_ms, dead)
 
     return Op(schema, render(_DEQUEUE, schema), (names, count, lock), parse)

@@ -33,7 +33,12 @@ CREATE TABLE {schema}.queue (
     message_ttl_ms bigint CHECK (message_ttl_ms >= 0),
     used_at timestamptz NOT NULL DEFAULT now(),
     created_at timestamptz NOT NULL DEFAULT now(),
-    name text NOT NULL UNIQUE CHECK (length(name) BETWEEN 1 AND 255)
+    name text NOT NULL UNIQUE CHECK (length(name) BETWEEN 1 AND 255),
+    -- dead letters on or off, deliveries before a message is dead-lettered (NULL: no
+    -- limit), how long dead letters are kept
+    dead_letter boolean NOT NULL DEFAULT true,
+    max_attempts integer DEFAULT 20 CHECK (max_attempts > 0),
+    dead_retention_ms bigint NOT NULL DEFAULT 1209600000 CHECK (dead_retention_ms > 0)
 );
 
 CREATE INDEX queue_expiring_idx ON {schema}.queue (used_at) WHERE expires_ms IS NOT NULL;
@@ -72,7 +77,15 @@ CREATE TABLE {schema}.channel (
     served_at timestamptz NOT NULL DEFAULT '-infinity',
     waiting_since timestamptz,
     name text NOT NULL CHECK (length(name) BETWEEN 1 AND 255),
-    UNIQUE (queue_id, name)
+    UNIQUE (queue_id, name),
+    -- cumulative counters, carried on the row every operation updates anyway
+    n_enqueued bigint NOT NULL DEFAULT 0,
+    n_delivered bigint NOT NULL DEFAULT 0,
+    n_acked bigint NOT NULL DEFAULT 0,
+    n_deferred bigint NOT NULL DEFAULT 0,
+    n_dead bigint NOT NULL DEFAULT 0,
+    n_expired bigint NOT NULL DEFAULT 0,
+    n_dropped bigint NOT NULL DEFAULT 0
 );
 
 CREATE INDEX channel_waiting_idx ON {schema}.channel (queue_id, waiting_since, id)
@@ -105,6 +118,39 @@ CREATE UNIQUE INDEX message_name_idx ON {schema}.message (channel_id, name)
     WHERE name IS NOT NULL AND attempts = 0;
 -- Messages with a time to live, soonest expiry first.
 CREATE INDEX message_expires_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
+
+-- Counters of channels that are gone (a channel row is deleted when it empties) and of
+-- events that touch no channel row (redeliveries after a lock expired): insert-only, so no
+-- operation ever waits on it; housekeep_v1 folds the rows of a queue into one.
+CREATE TABLE {schema}.counter (
+    queue_id integer NOT NULL,
+    enqueued bigint NOT NULL DEFAULT 0,
+    delivered bigint NOT NULL DEFAULT 0,
+    redelivered bigint NOT NULL DEFAULT 0,
+    acked bigint NOT NULL DEFAULT 0,
+    deferred bigint NOT NULL DEFAULT 0,
+    dead bigint NOT NULL DEFAULT 0,
+    expired bigint NOT NULL DEFAULT 0,
+    dropped bigint NOT NULL DEFAULT 0
+);
+
+-- Dead letters: messages rejected without requeue, or delivered max_attempts times.
+CREATE TABLE {schema}.dead_message (
+    id bigint PRIMARY KEY,
+    queue text NOT NULL,
+    channel text NOT NULL,
+    name text,
+    priority smallint NOT NULL,
+    attempts integer NOT NULL,
+    reason text NOT NULL,
+    created_at timestamptz NOT NULL,
+    dead_at timestamptz NOT NULL,
+    content bytea NOT NULL,
+    state bytea
+);
+
+CREATE INDEX dead_message_queue_idx ON {schema}.dead_message (queue, id);
+CREATE INDEX dead_message_dead_at_idx ON {schema}.dead_message (dead_at);
 
 
 -- The id of a queue, created on first use.
@@ -201,8 +247,9 @@ $$;
 
 
 -- Apply a channel row's new counters/policy; recompute waiting_since when saturation changed
--- (or when asked to), delete the row when it is empty and has no policy of its own, and
--- NOTIFY when the channel has something to hand out that it did not have before.
+-- (or when asked to), delete the row when it is empty and has no policy of its own (keeping
+-- its cumulative counters in the counter table), and NOTIFY when the channel has something
+-- to hand out that it did not have before.
 CREATE FUNCTION {schema}.channel_store_v1(
     p_old {schema}.channel, p_new {schema}.channel, p_recompute boolean
 ) RETURNS void
@@ -213,6 +260,13 @@ DECLARE
 BEGIN
     IF p_new.current_size = 0 AND NOT p_new.has_policy THEN
         DELETE FROM {schema}.channel WHERE id = p_new.id;
+        IF p_new.n_enqueued + p_new.n_delivered + p_new.n_acked + p_new.n_deferred
+           + p_new.n_dead + p_new.n_expired + p_new.n_dropped > 0 THEN
+            INSERT INTO {schema}.counter
+                (queue_id, enqueued, delivered, acked, deferred, dead, expired, dropped)
+            VALUES (p_new.queue_id, p_new.n_enqueued, p_new.n_delivered, p_new.n_acked,
+                    p_new.n_deferred, p_new.n_dead, p_new.n_expired, p_new.n_dropped);
+        END IF;
         RETURN;
     END IF;
     v_saturated := p_new.max_concurrency IS NOT NULL
@@ -233,7 +287,14 @@ BEGIN
         own_max_concurrency = p_new.own_max_concurrency,
         own_max_size = p_new.own_max_size,
         served_at = p_new.served_at,
-        waiting_since = p_new.waiting_since
+        waiting_since = p_new.waiting_since,
+        n_enqueued = p_new.n_enqueued,
+        n_delivered = p_new.n_delivered,
+        n_acked = p_new.n_acked,
+        n_deferred = p_new.n_deferred,
+        n_dead = p_new.n_dead,
+        n_expired = p_new.n_expired,
+        n_dropped = p_new.n_dropped
     WHERE id = p_new.id;
     IF p_new.waiting_since IS NOT NULL
        AND (p_old.waiting_since IS NULL OR p_new.waiting_since < p_old.waiting_since) THEN
@@ -279,6 +340,7 @@ BEGIN
     END IF;
     IF v_old.max_size IS NOT NULL AND v_old.current_size >= v_old.max_size THEN
         result_code := 'dropped';
+        v_new.n_dropped := v_old.n_dropped + 1;
         -- a channel row created by this call and left empty must not linger
         PERFORM {schema}.channel_store_v1(v_old, v_new, false);
         RETURN;
@@ -289,6 +351,7 @@ BEGIN
             p_name, p_content)
     RETURNING id INTO message_id;
     v_new.current_size := v_old.current_size + 1;
+    v_new.n_enqueued := v_old.n_enqueued + 1;
     IF v_new.max_concurrency IS NULL OR v_new.current_concurrency < v_new.max_concurrency THEN
         v_due := GREATEST(v_at, v_old.served_at);
         IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
@@ -365,8 +428,11 @@ $$;
 -- message are served round-robin, the one waiting longest first, skipping channels at
 -- max_concurrency. Rows come back in delivery order. When no message is available, one row
 -- comes back with message_id NULL and retry_ms: milliseconds until something may become
--- available (NULL: nothing is pending).
-CREATE FUNCTION {schema}.message_dequeue_v1(p_queues text[], p_limit integer, p_lock_ms bigint)
+-- available (NULL: nothing is pending). A message already delivered max_attempts times (of
+-- its queue) is not delivered again: it goes to the dead letters and comes back as a row
+-- with event 'dead' (no lock token, no content), for the caller's log. The event of a
+-- delivered message is 'delivered', or 'redelivered' when its previous lock had expired.
+CREATE FUNCTION {schema}.message_dequeue_v2(p_queues text[], p_limit integer, p_lock_ms bigint)
 RETURNS TABLE (
     message_id bigint,
     queue_name text,
@@ -378,7 +444,8 @@ RETURNS TABLE (
     message_created_at timestamptz,
     message_content bytea,
     message_state bytea,
-    retry_ms bigint
+    retry_ms bigint,
+    event text
 )
 -- Generic plans: re-planning a dozen statements on every call (custom plans) cost more than
 -- executing them; tests/test_plans.py checks the generic plans use the indexes. lock_timeout:
@@ -408,12 +475,34 @@ DECLARE
     v_cap integer;
     v_try integer := 0;
     v_wait_id bigint;
+    v_max_attempts integer[];
+    v_max integer;
+    v_poison bigint[];
+    v_dead integer[];
+    -- dead-lettered this call: id, queue, channel, name, attempts, created_at
+    v_d_ids bigint[] := ARRAY[]::bigint[];
+    v_d_queues text[] := ARRAY[]::text[];
+    v_d_channels text[] := ARRAY[]::text[];
+    v_d_names text[] := ARRAY[]::text[];
+    v_d_attempts integer[] := ARRAY[]::integer[];
+    v_d_created timestamptz[] := ARRAY[]::timestamptz[];
+    b_ids bigint[];
+    b_channel_ids bigint[];
+    b_queues text[];
+    b_channels text[];
+    b_names text[];
+    b_attempts integer[];
+    b_created timestamptz[];
+    v_rec record;
     i integer;
 BEGIN
-    SELECT array_agg(q.id) INTO v_queue_ids FROM {schema}.queue q WHERE q.name = ANY (p_queues);
+    SELECT array_agg(q.id), array_agg(coalesce(q.max_attempts, 2147483647))
+    INTO v_queue_ids, v_max_attempts
+    FROM {schema}.queue q WHERE q.name = ANY (p_queues);
     IF v_queue_ids IS NULL THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
-            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint;
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint,
+            NULL::text;
         RETURN;
     END IF;
 
@@ -438,6 +527,42 @@ BEGIN
         v_relock := ARRAY[]::bigint[];  -- see step 2: an ack holds one; take them next time
     END;
     IF cardinality(v_relock) > 0 THEN
+        -- Delivered max_attempts times already, and its holder died each time: a poison
+        -- message. Dead-letter it instead (and give up until the next call if a channel row
+        -- is busy: lock_timeout, as in step 2).
+        v_poison := ARRAY(
+            SELECT m.id FROM {schema}.message m
+            WHERE m.id = ANY (v_relock)
+              AND m.attempts >= v_max_attempts[array_position(v_queue_ids, m.queue_id)]
+            ORDER BY m.id
+        );
+        IF cardinality(v_poison) > 0 THEN
+            v_relock := ARRAY(SELECT u.id FROM unnest(v_relock) AS u(id) WHERE u.id <> ALL (v_poison));
+            BEGIN
+                SELECT array_agg(b.message_id), array_agg(b.channel_id), array_agg(b.queue_name),
+                       array_agg(b.channel_name), array_agg(b.message_name),
+                       array_agg(b.message_attempts), array_agg(b.message_created_at)
+                INTO b_ids, b_channel_ids, b_queues, b_channels, b_names, b_attempts, b_created
+                FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b;
+                FOR v_rec IN
+                    SELECT x.channel_id, count(*)::integer AS n
+                    FROM unnest(b_channel_ids) AS x(channel_id)
+                    GROUP BY x.channel_id ORDER BY x.channel_id
+                LOOP
+                    PERFORM {schema}.channel_release_v1(v_rec.channel_id, -v_rec.n, NULL, v_rec.n, 'dead');
+                END LOOP;
+                v_d_ids := v_d_ids || b_ids;
+                v_d_queues := v_d_queues || b_queues;
+                v_d_channels := v_d_channels || b_channels;
+                v_d_names := v_d_names || b_names;
+                v_d_attempts := v_d_attempts || b_attempts;
+                v_d_created := v_d_created || b_created;
+            EXCEPTION WHEN lock_not_available THEN
+                NULL;  -- left as they are: the next call tries again
+            END;
+        END IF;
+    END IF;
+    IF cardinality(v_relock) > 0 THEN
         RETURN QUERY
             WITH relocked AS (
                 -- ids as an array, not a join: a join estimated from LIMIT's row count can
@@ -448,9 +573,12 @@ BEGIN
                     attempts = m.attempts + 1
                 WHERE m.id = ANY (v_relock)
                 RETURNING m.*
+            ), counted AS (
+                INSERT INTO {schema}.counter (queue_id, delivered, redelivered)
+                SELECT x.queue_id, count(*), count(*) FROM relocked x GROUP BY x.queue_id
             )
             SELECT r.id, q.name, c.name, r.name, r.priority, r.attempts, r.lock_token,
-                   r.created_at, r.content, r.state, NULL::bigint
+                   r.created_at, r.content, r.state, NULL::bigint, 'redelivered'::text
             FROM relocked r
             JOIN {schema}.channel c ON c.id = r.channel_id
             JOIN {schema}.queue q ON q.id = r.queue_id
@@ -515,6 +643,7 @@ BEGIN
         v_taken := array_fill(0, ARRAY[cardinality(v_channels)]);
         v_done := array_fill(false, ARRAY[cardinality(v_channels)]);
         v_dropped := array_fill(0, ARRAY[cardinality(v_channels)]);
+        v_dead := array_fill(0, ARRAY[cardinality(v_channels)]);
         v_open := cardinality(v_channels);
         WHILE v_left > 0 AND v_open > 0 LOOP
             v_quota := ceil(v_left::numeric / v_open)::integer;
@@ -527,17 +656,20 @@ BEGIN
                         - v_channels[i].current_concurrency - v_taken[i]);
                 END IF;
                 CONTINUE WHEN v_cap <= 0 OR v_done[i];
+                v_max := v_max_attempts[array_position(v_queue_ids, v_channels[i].queue_id)];
                 SELECT array_agg(x.id ORDER BY x.rn) INTO v_batch
                 FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
                     WITH ORDINALITY AS x(id, rn);
                 -- lock them, by primary key from the array (never a join the planner could
-                -- hash); messages past their time to live are left out, and dropped below
+                -- hash); messages past their time to live are left out, and dropped below,
+                -- and so are those delivered max_attempts times (dead-lettered below)
                 WITH locked AS (
                     UPDATE {schema}.message m SET
                         locked_until = v_now + v_lock,
                         lock_token = gen_random_uuid(),
                         attempts = m.attempts + 1
                     WHERE m.id = ANY (v_batch) AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                      AND m.attempts < v_max
                     RETURNING m.id
                 )
                 SELECT array_agg(l.id) INTO v_locked FROM locked l;
@@ -551,6 +683,26 @@ BEGIN
                     )
                     SELECT array_agg(gone.id) INTO v_expired FROM gone;
                     v_dropped[i] := v_dropped[i] + coalesce(cardinality(v_expired), 0);
+                    v_poison := ARRAY(
+                        SELECT u.id FROM unnest(v_batch) AS u(id)
+                        WHERE u.id <> ALL (coalesce(v_locked, ARRAY[]::bigint[]))
+                          AND u.id <> ALL (coalesce(v_expired, ARRAY[]::bigint[]))
+                    );
+                    IF cardinality(v_poison) > 0 THEN
+                        -- the channel row is ours already: count them in step 4
+                        SELECT array_agg(b.message_id), array_agg(b.queue_name),
+                               array_agg(b.channel_name), array_agg(b.message_name),
+                               array_agg(b.message_attempts), array_agg(b.message_created_at)
+                        INTO b_ids, b_queues, b_channels, b_names, b_attempts, b_created
+                        FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b;
+                        v_dead[i] := v_dead[i] + coalesce(cardinality(b_ids), 0);
+                        v_d_ids := v_d_ids || b_ids;
+                        v_d_queues := v_d_queues || b_queues;
+                        v_d_channels := v_d_channels || b_channels;
+                        v_d_names := v_d_names || b_names;
+                        v_d_attempts := v_d_attempts || b_attempts;
+                        v_d_created := v_d_created || b_created;
+                    END IF;
                     SELECT array_agg(u.id ORDER BY u.ord) INTO v_batch
                     FROM unnest(v_batch) WITH ORDINALITY AS u(id, ord)
                     WHERE u.id = ANY (coalesce(v_locked, ARRAY[]::bigint[]));
@@ -574,7 +726,7 @@ BEGIN
 
         RETURN QUERY
             SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts, m.lock_token,
-                   m.created_at, m.content, m.state, NULL::bigint
+                   m.created_at, m.content, m.state, NULL::bigint, 'delivered'::text
             FROM unnest(v_ids, v_ranks, v_orders) AS s(id, rnk, ord)
             JOIN {schema}.message m ON m.id = s.id
             JOIN {schema}.channel c ON c.id = m.channel_id
@@ -585,7 +737,10 @@ BEGIN
         FOR i IN 1 .. cardinality(v_channels) LOOP
             v_new := v_channels[i];
             v_new.current_concurrency := v_new.current_concurrency + v_taken[i];
-            v_new.current_size := v_new.current_size - v_dropped[i];
+            v_new.current_size := v_new.current_size - v_dropped[i] - v_dead[i];
+            v_new.n_delivered := v_new.n_delivered + v_taken[i];
+            v_new.n_expired := v_new.n_expired + v_dropped[i];
+            v_new.n_dead := v_new.n_dead + v_dead[i];
             IF v_taken[i] > 0 THEN
                 v_new.served_at := clock_timestamp();
             END IF;
@@ -594,18 +749,55 @@ BEGIN
         v_got := v_got + cardinality(v_ids);
     END IF;
 
+    IF cardinality(v_d_ids) > 0 THEN
+        RETURN QUERY
+            SELECT d.id, d.q, d.c, d.n, NULL::smallint, d.a, NULL::uuid, d.t, NULL::bytea,
+                   NULL::bytea, NULL::bigint, 'dead'::text
+            FROM unnest(v_d_ids, v_d_queues, v_d_channels, v_d_names, v_d_attempts, v_d_created)
+                AS d(id, q, c, n, a, t);
+    END IF;
     IF v_got = 0 THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
             NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
-            {schema}.queue_retry_ms_v1(v_queue_ids);
+            CASE WHEN cardinality(v_d_ids) > 0 THEN 0::bigint
+                 ELSE {schema}.queue_retry_ms_v1(v_queue_ids) END,
+            NULL::text;
     END IF;
 END;
 $$;
 
 
--- Release a held message's slot on its channel (after delete or defer).
+-- Version 1 of dequeue, for clients of the previous schema version: version 2 without the
+-- rows of dead-lettered messages.
+CREATE FUNCTION {schema}.message_dequeue_v1(p_queues text[], p_limit integer, p_lock_ms bigint)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint
+)
+LANGUAGE sql AS $$
+    SELECT d.message_id, d.queue_name, d.channel_name, d.message_name, d.message_priority,
+           d.message_attempts, d.message_lock_token, d.message_created_at, d.message_content,
+           d.message_state, d.retry_ms
+    FROM {schema}.message_dequeue_v2(p_queues, p_limit, p_lock_ms) AS d
+    WHERE d.event IS DISTINCT FROM 'dead';
+$$;
+
+
+-- Release held (or, with p_count 0, waiting) messages' slots on their channel after they
+-- were deleted, deferred or dead-lettered. p_event names the counter to add p_count to:
+-- 'ack', 'defer', 'dead' or 'remove' (none).
 CREATE FUNCTION {schema}.channel_release_v1(
-    p_channel_id bigint, p_size_delta integer, p_due timestamptz, p_count integer DEFAULT 1
+    p_channel_id bigint, p_size_delta integer, p_due timestamptz, p_count integer DEFAULT 1,
+    p_event text DEFAULT 'ack'
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -620,6 +812,13 @@ BEGIN
     v_new := v_old;
     v_new.current_size := GREATEST(0, v_old.current_size + p_size_delta);
     v_new.current_concurrency := GREATEST(0, v_old.current_concurrency - p_count);
+    IF p_event = 'ack' THEN
+        v_new.n_acked := v_old.n_acked + p_count;
+    ELSIF p_event = 'defer' THEN
+        v_new.n_deferred := v_old.n_deferred + p_count;
+    ELSIF p_event = 'dead' THEN
+        v_new.n_dead := v_old.n_dead + p_count;
+    END IF;
     IF p_due IS NOT NULL THEN
         v_due := GREATEST(p_due, v_old.served_at);
         IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
@@ -677,7 +876,7 @@ BEGIN
             THEN 'state_invalid' ELSE 'not_found' END;
         RETURN;
     END IF;
-    PERFORM {schema}.channel_release_v1(v_channel_id, 0, v_at);
+    PERFORM {schema}.channel_release_v1(v_channel_id, 0, v_at, 1, 'defer');
     result_code := 'ok';
 END;
 $$;
@@ -692,6 +891,62 @@ LANGUAGE sql AS $$
     FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
     WHERE m.id = h.id AND m.lock_token = h.lock_token AND m.locked_until IS NOT NULL
     RETURNING m.id, m.locked_until;
+$$;
+
+
+-- Move messages (in any state) to the dead letters of their queue, or delete them where the
+-- queue keeps no dead letters. Returns what was removed; the caller updates the channels.
+CREATE FUNCTION {schema}.message_bury_v1(p_ids bigint[], p_reason text)
+RETURNS TABLE (
+    message_id bigint, channel_id bigint, held boolean, queue_name text, channel_name text,
+    message_name text, message_attempts integer, message_created_at timestamptz
+)
+LANGUAGE sql AS $$
+    WITH gone AS (
+        DELETE FROM {schema}.message m WHERE m.id = ANY (p_ids)
+        RETURNING m.*
+    ), named AS (
+        SELECT g.*, q.name AS q_name, c.name AS c_name, q.dead_letter
+        FROM gone g
+        JOIN {schema}.queue q ON q.id = g.queue_id
+        JOIN {schema}.channel c ON c.id = g.channel_id
+    ), kept AS (
+        INSERT INTO {schema}.dead_message
+            (id, queue, channel, name, priority, attempts, reason, created_at, dead_at,
+             content, state)
+        SELECT n.id, n.q_name, n.c_name, n.name, n.priority, n.attempts, p_reason,
+               n.created_at, clock_timestamp(), n.content, n.state
+        FROM named n WHERE n.dead_letter
+        ON CONFLICT (id) DO NOTHING
+    )
+    SELECT n.id, n.channel_id, n.locked_until IS NOT NULL, n.q_name, n.c_name, n.name,
+           n.attempts, n.created_at
+    FROM named n ORDER BY n.id;
+$$;
+
+
+-- Reject a held message without requeue: it goes to the dead letters of its queue (or is
+-- deleted where the queue keeps none). result_code as for delete.
+CREATE FUNCTION {schema}.message_reject_v1(
+    p_id bigint, p_lock_token uuid, p_reason text, OUT result_code text
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel_id bigint;
+BEGIN
+    PERFORM 1 FROM {schema}.message m
+    WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
+            THEN 'state_invalid' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    SELECT b.channel_id INTO v_channel_id
+    FROM {schema}.message_bury_v1(ARRAY[p_id], coalesce(p_reason, 'rejected')) AS b;
+    PERFORM {schema}.channel_release_v1(v_channel_id, -1, NULL, 1, 'dead');
+    result_code := 'ok';
+END;
 $$;
 
 
@@ -804,8 +1059,8 @@ END;
 $$;
 
 
--- Delete a queue: all its messages (held ones too), channels, policies.
--- Returns how many messages were deleted.
+-- Delete a queue: all its messages (held ones too), channels, policies and counters. Its
+-- dead letters stay until their retention ends. Returns how many messages were deleted.
 CREATE FUNCTION {schema}.queue_delete_v1(p_queue text) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -828,6 +1083,7 @@ BEGIN
         v_n := v_n + v_m;
         DELETE FROM {schema}.channel WHERE id = v_channel_id;
     END LOOP;
+    DELETE FROM {schema}.counter WHERE queue_id = v_queue_id;
     DELETE FROM {schema}.queue WHERE id = v_queue_id;
     RETURN v_n;
 END;
@@ -1106,6 +1362,351 @@ END;
 $$;
 
 
+-- ---------------------------------------------------------------------------------------------
+-- Operating: status, channels, messages, dead letters, settings, housekeeping.
+-- ---------------------------------------------------------------------------------------------
+
+-- Every queue with its gauges, cumulative counters and settings. Splitting waiting messages
+-- into ready and delayed (and finding the oldest ready one) reads them: O(messages waiting);
+-- p_count_ready false skips it (those columns are then NULL).
+CREATE FUNCTION {schema}.queue_status_v1(p_count_ready boolean)
+RETURNS TABLE (
+    queue_name text, total bigint, in_flight bigint, ready bigint, delayed bigint,
+    oldest_ready_at timestamptz, dead bigint, channels bigint,
+    enqueued bigint, delivered bigint, redelivered bigint, acked bigint, deferred bigint,
+    dead_lettered bigint, expired bigint, dropped bigint,
+    max_concurrency integer, max_size integer, max_attempts integer, dead_letter boolean,
+    dead_retention_ms bigint
+)
+LANGUAGE sql STABLE AS $$
+    SELECT q.name, ch.total, ch.in_flight, w.ready, w.delayed, w.oldest,
+           (SELECT count(*) FROM {schema}.dead_message d WHERE d.queue = q.name), ch.channels,
+           ch.enqueued + coalesce(co.enqueued, 0), ch.delivered + coalesce(co.delivered, 0),
+           coalesce(co.redelivered, 0), ch.acked + coalesce(co.acked, 0),
+           ch.deferred + coalesce(co.deferred, 0), ch.dead + coalesce(co.dead, 0),
+           ch.expired + coalesce(co.expired, 0), ch.dropped + coalesce(co.dropped, 0),
+           q.max_concurrency, q.max_size, q.max_attempts, q.dead_letter, q.dead_retention_ms
+    FROM {schema}.queue q
+    CROSS JOIN LATERAL (
+        SELECT coalesce(sum(c.current_size), 0)::bigint AS total,
+               coalesce(sum(c.current_concurrency), 0)::bigint AS in_flight,
+               count(*) FILTER (WHERE c.current_size > 0) AS channels,
+               coalesce(sum(c.n_enqueued), 0)::bigint AS enqueued,
+               coalesce(sum(c.n_delivered), 0)::bigint AS delivered,
+               coalesce(sum(c.n_acked), 0)::bigint AS acked,
+               coalesce(sum(c.n_deferred), 0)::bigint AS deferred,
+               coalesce(sum(c.n_dead), 0)::bigint AS dead,
+               coalesce(sum(c.n_expired), 0)::bigint AS expired,
+               coalesce(sum(c.n_dropped), 0)::bigint AS dropped
+        FROM {schema}.channel c WHERE c.queue_id = q.id
+    ) AS ch
+    LEFT JOIN (
+        SELECT x.queue_id, sum(x.enqueued)::bigint AS enqueued,
+               sum(x.delivered)::bigint AS delivered, sum(x.redelivered)::bigint AS redelivered,
+               sum(x.acked)::bigint AS acked, sum(x.deferred)::bigint AS deferred,
+               sum(x.dead)::bigint AS dead, sum(x.expired)::bigint AS expired,
+               sum(x.dropped)::bigint AS dropped
+        FROM {schema}.counter x GROUP BY x.queue_id
+    ) AS co ON co.queue_id = q.id
+    LEFT JOIN LATERAL (
+        SELECT count(*) FILTER (WHERE m.dequeue_at <= clock_timestamp()) AS ready,
+               count(*) FILTER (WHERE m.dequeue_at > clock_timestamp()) AS delayed,
+               min(m.dequeue_at) FILTER (WHERE m.dequeue_at <= clock_timestamp()) AS oldest
+        FROM {schema}.channel c2
+        JOIN {schema}.message m ON m.channel_id = c2.id AND m.locked_until IS NULL
+        WHERE c2.queue_id = q.id AND p_count_ready
+    ) AS w ON p_count_ready
+    ORDER BY q.name;
+$$;
+
+
+-- The channels of a queue, largest first, with their policies and counters.
+CREATE FUNCTION {schema}.channel_list_v1(p_queue text, p_limit integer)
+RETURNS TABLE (
+    channel_name text, size integer, in_flight integer, max_concurrency integer,
+    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
+    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
+    expired bigint, dropped bigint
+)
+LANGUAGE sql STABLE AS $$
+    SELECT c.name, c.current_size, c.current_concurrency, c.max_concurrency, c.max_size,
+           c.has_policy, c.waiting_since, c.served_at, c.n_enqueued, c.n_delivered, c.n_acked,
+           c.n_deferred, c.n_dead, c.n_expired, c.n_dropped
+    FROM {schema}.channel c
+    JOIN {schema}.queue q ON q.id = c.queue_id
+    WHERE q.name = p_queue
+    ORDER BY c.current_size DESC, c.current_concurrency DESC, c.name
+    LIMIT p_limit;
+$$;
+
+
+-- Messages, oldest id first, after p_after (keyset paging), filtered by queue, channel and
+-- state ('ready', 'delayed', 'locked', 'dead'; NULL: all); NULL filters match everything.
+CREATE FUNCTION {schema}.message_list_v1(
+    p_queue text, p_channel text, p_state text, p_after bigint, p_limit integer
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    priority smallint, attempts integer, state text, dequeue_at timestamptz,
+    locked_until timestamptz, created_at timestamptz, dead_at timestamptz, reason text,
+    size integer
+)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    IF p_state IS NOT NULL AND p_state NOT IN ('ready', 'delayed', 'locked', 'dead') THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('unknown message state %L (ready, delayed, locked or dead)', p_state);
+    END IF;
+    RETURN QUERY
+        SELECT x.* FROM (
+            (SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts,
+                    CASE WHEN m.locked_until IS NOT NULL THEN 'locked'
+                         WHEN m.dequeue_at > v_now THEN 'delayed'
+                         ELSE 'ready' END,
+                    m.dequeue_at, m.locked_until, m.created_at, NULL::timestamptz, NULL::text,
+                    length(m.content)
+             FROM {schema}.message m
+             JOIN {schema}.queue q ON q.id = m.queue_id
+             JOIN {schema}.channel c ON c.id = m.channel_id
+             WHERE m.id > p_after
+               AND (p_queue IS NULL OR q.name = p_queue)
+               AND (p_channel IS NULL OR c.name = p_channel)
+               AND (p_state IS NULL
+                    OR (p_state = 'locked' AND m.locked_until IS NOT NULL)
+                    OR (p_state = 'delayed' AND m.locked_until IS NULL AND m.dequeue_at > v_now)
+                    OR (p_state = 'ready' AND m.locked_until IS NULL AND m.dequeue_at <= v_now))
+             ORDER BY m.id
+             LIMIT p_limit)
+            UNION ALL
+            (SELECT d.id, d.queue, d.channel, d.name, d.priority, d.attempts, 'dead'::text,
+                    NULL::timestamptz, NULL::timestamptz, d.created_at, d.dead_at, d.reason,
+                    length(d.content)
+             FROM {schema}.dead_message d
+             WHERE d.id > p_after
+               AND (p_queue IS NULL OR d.queue = p_queue)
+               AND (p_channel IS NULL OR d.channel = p_channel)
+               AND (p_state IS NULL OR p_state = 'dead')
+             ORDER BY d.id
+             LIMIT p_limit)
+        ) AS x
+        ORDER BY 1
+        LIMIT p_limit;
+END;
+$$;
+
+
+-- One message, live or dead, with its content and saved state (no row: not found).
+CREATE FUNCTION {schema}.message_get_v1(p_id bigint)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    priority smallint, attempts integer, state text, dequeue_at timestamptz,
+    locked_until timestamptz, expires_at timestamptz, created_at timestamptz,
+    dead_at timestamptz, reason text, content bytea, saved_state bytea
+)
+LANGUAGE sql STABLE AS $$
+    SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts,
+           CASE WHEN m.locked_until IS NOT NULL THEN 'locked'
+                WHEN m.dequeue_at > clock_timestamp() THEN 'delayed'
+                ELSE 'ready' END,
+           m.dequeue_at, m.locked_until, m.expires_at, m.created_at, NULL::timestamptz,
+           NULL::text, m.content, m.state
+    FROM {schema}.message m
+    JOIN {schema}.queue q ON q.id = m.queue_id
+    JOIN {schema}.channel c ON c.id = m.channel_id
+    WHERE m.id = p_id
+    UNION ALL
+    SELECT d.id, d.queue, d.channel, d.name, d.priority, d.attempts, 'dead', NULL, NULL, NULL,
+           d.created_at, d.dead_at, d.reason, d.content, d.state
+    FROM {schema}.dead_message d
+    WHERE d.id = p_id;
+$$;
+
+
+-- Delete messages by id, whatever their state (a held one's holder then finds it gone), and
+-- dead letters. result_code per id: 'deleted' or 'not_found'.
+CREATE FUNCTION {schema}.message_remove_v1(p_ids bigint[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channels bigint[];
+    v_held boolean[];
+    v_gone bigint[];
+    v_dead bigint[];
+    r record;
+BEGIN
+    WITH gone AS (
+        DELETE FROM {schema}.message m WHERE m.id = ANY (p_ids)
+        RETURNING m.id, m.channel_id, m.locked_until IS NOT NULL AS held
+    )
+    SELECT array_agg(g.id), array_agg(g.channel_id), array_agg(g.held)
+    INTO v_gone, v_channels, v_held FROM gone g;
+    -- one update per channel, in id order (the order acks use)
+    FOR r IN
+        SELECT x.channel_id, count(*)::integer AS n, count(*) FILTER (WHERE x.held)::integer AS h
+        FROM unnest(v_channels, v_held) AS x(channel_id, held)
+        GROUP BY x.channel_id ORDER BY x.channel_id
+    LOOP
+        PERFORM {schema}.channel_release_v1(r.channel_id, -r.n, NULL, r.h, 'remove');
+    END LOOP;
+    WITH dead AS (
+        DELETE FROM {schema}.dead_message d WHERE d.id = ANY (p_ids) RETURNING d.id
+    )
+    SELECT array_agg(d.id) INTO v_dead FROM dead d;
+    RETURN QUERY
+        SELECT h.id,
+               CASE WHEN h.id = ANY (coalesce(v_gone, ARRAY[]::bigint[]))
+                      OR h.id = ANY (coalesce(v_dead, ARRAY[]::bigint[]))
+                    THEN 'deleted' ELSE 'not_found' END
+        FROM unnest(p_ids) AS h(id);
+END;
+$$;
+
+
+-- Retry messages by id: a dead letter goes back to its queue and channel as a new message
+-- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now').
+-- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' (the
+-- dead letter stays), 'not_found'.
+CREATE FUNCTION {schema}.message_retry_v1(p_ids bigint[])
+RETURNS TABLE (message_id bigint, result_code text, new_id bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id bigint;
+    v_dead {schema}.dead_message;
+    v_code text;
+    v_new_id bigint;
+    v_channel_id bigint;
+    v_locked timestamptz;
+    v_at timestamptz;
+BEGIN
+    FOR v_id IN SELECT DISTINCT u.id FROM unnest(p_ids) AS u(id) ORDER BY u.id LOOP
+        message_id := v_id;
+        new_id := NULL;
+        DELETE FROM {schema}.dead_message d WHERE d.id = v_id RETURNING d.* INTO v_dead;
+        IF FOUND THEN
+            SELECT c.result_code, c.message_id INTO v_code, v_new_id
+            FROM {schema}.message_create_v1(
+                v_dead.queue, v_dead.channel, v_dead.name, v_dead.content, v_dead.priority,
+                0, NULL) AS c;
+            IF v_code = 'dropped' THEN
+                INSERT INTO {schema}.dead_message SELECT (v_dead).*;
+                result_code := 'channel_full';
+            ELSE
+                IF v_code = 'created' AND v_dead.state IS NOT NULL THEN
+                    UPDATE {schema}.message m SET state = v_dead.state WHERE m.id = v_new_id;
+                END IF;
+                result_code := 'retried';
+                new_id := v_new_id;
+            END IF;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        SELECT m.channel_id, m.locked_until, m.dequeue_at INTO v_channel_id, v_locked, v_at
+        FROM {schema}.message m WHERE m.id = v_id;
+        IF NOT FOUND THEN
+            result_code := 'not_found';
+        ELSIF v_locked IS NOT NULL THEN
+            result_code := 'locked';
+        ELSIF v_at <= clock_timestamp() THEN
+            result_code := 'ready';
+        ELSE
+            UPDATE {schema}.message m SET dequeue_at = clock_timestamp()
+            WHERE m.id = v_id AND m.locked_until IS NULL
+            RETURNING m.dequeue_at INTO v_at;
+            IF FOUND THEN
+                PERFORM {schema}.channel_release_v1(v_channel_id, 0, v_at, 0, 'remove');
+                result_code := 'due_now';
+            ELSE
+                result_code := 'locked';
+            END IF;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+
+-- Delete the dead letters of a queue; returns how many.
+CREATE FUNCTION {schema}.dead_purge_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    DELETE FROM {schema}.dead_message d WHERE d.queue = p_queue;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    RETURN v_n;
+END;
+$$;
+
+
+-- Change a queue's settings (created with the defaults if new). p_settings holds any of:
+-- dead_letter (boolean), max_attempts (integer > 0, or null: no limit), dead_retention_ms
+-- (integer > 0). Other keys are refused.
+CREATE FUNCTION {schema}.queue_configure_v1(p_queue text, p_settings jsonb) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_key text;
+BEGIN
+    IF jsonb_typeof(p_settings) IS DISTINCT FROM 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'queue settings must be an object';
+    END IF;
+    FOR v_key IN SELECT jsonb_object_keys(p_settings) LOOP
+        IF v_key NOT IN ('dead_letter', 'max_attempts', 'dead_retention_ms') THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('unknown queue setting %L', v_key);
+        END IF;
+    END LOOP;
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        dead_letter = CASE WHEN p_settings ? 'dead_letter'
+            THEN (p_settings ->> 'dead_letter')::boolean ELSE q.dead_letter END,
+        max_attempts = CASE WHEN p_settings ? 'max_attempts'
+            THEN (p_settings ->> 'max_attempts')::integer ELSE q.max_attempts END,
+        dead_retention_ms = CASE WHEN p_settings ? 'dead_retention_ms'
+            THEN (p_settings ->> 'dead_retention_ms')::bigint ELSE q.dead_retention_ms END
+    WHERE q.id = v_queue_id;
+END;
+$$;
+
+
+-- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
+-- queue's retention (at most p_limit), and fold the counter rows of each queue into one.
+CREATE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_shortest bigint;
+BEGIN
+    SELECT least(min(q.dead_retention_ms), 1209600000) INTO v_shortest FROM {schema}.queue q;
+    WITH old AS (
+        SELECT d.id FROM {schema}.dead_message d
+        LEFT JOIN {schema}.queue q ON q.name = d.queue
+        WHERE d.dead_at < v_now - coalesce(v_shortest, 1209600000) * interval '1 millisecond'
+          AND d.dead_at < v_now - coalesce(q.dead_retention_ms, 1209600000)
+              * interval '1 millisecond'
+        ORDER BY d.dead_at
+        LIMIT p_limit
+    ), gone AS (
+        DELETE FROM {schema}.dead_message d WHERE d.id IN (SELECT o.id FROM old o) RETURNING 1
+    )
+    SELECT count(*) INTO dead_pruned FROM gone;
+    IF pg_try_advisory_xact_lock(hashtextextended({lock_prefix} || 'counters', 0)) THEN
+        WITH gone AS (
+            DELETE FROM {schema}.counter RETURNING *
+        )
+        INSERT INTO {schema}.counter
+            (queue_id, enqueued, delivered, redelivered, acked, deferred, dead, expired, dropped)
+        SELECT g.queue_id, sum(g.enqueued), sum(g.delivered), sum(g.redelivered), sum(g.acked),
+               sum(g.deferred), sum(g.dead), sum(g.expired), sum(g.dropped)
+        FROM gone g
+        WHERE EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.id = g.queue_id)
+        GROUP BY g.queue_id;
+    END IF;
+END;
+$$;
+
 -- Security: callers run the entry points below with the rights of the schema's owner
 -- (SECURITY DEFINER, with a fixed search_path) and need no rights on the tables; nobody may
 -- execute a function unless granted (lonnymq.grant / `lonnymq grant`: producer, worker,
@@ -1150,4 +1751,26 @@ ALTER FUNCTION {schema}.queue_unbind_v1(text, text, text)
 ALTER FUNCTION {schema}.queue_touch_v1(text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.expire_v1(integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_status_v1(boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_list_v1(text, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_list_v1(text, text, text, bigint, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_get_v1(bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_remove_v1(bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_retry_v1(bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.dead_purge_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_configure_v1(text, jsonb)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.housekeep_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;

@@ -1,0 +1,344 @@
+"""Operating a broker: queue status and counters, channel listings, messages by id (list,
+show, delete, retry), dead letters and queue settings. Each is one SQL function call."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal, LiteralString
+
+from psycopg.types.json import Jsonb
+
+from ..exceptions import InvalidArgument
+from . import _checks
+from ._ops import Op, Rows, render
+from .results import Outcome
+
+State = Literal["ready", "delayed", "locked", "dead"]
+STATES: tuple[State, ...] = ("ready", "delayed", "locked", "dead")
+
+_STATUS: LiteralString = "SELECT * FROM {schema}.queue_status_v1(%s::boolean)"
+_CHANNELS: LiteralString = "SELECT * FROM {schema}.channel_list_v1(%s::text, %s::integer)"
+_LIST: LiteralString = (
+    "SELECT * FROM {schema}.message_list_v1(%s::text, %s::text, %s::text, %s::bigint, %s::integer)"
+)
+_GET: LiteralString = "SELECT * FROM {schema}.message_get_v1(%s::bigint)"
+_REMOVE: LiteralString = "SELECT * FROM {schema}.message_remove_v1(%s::bigint[])"
+_RETRY: LiteralString = "SELECT * FROM {schema}.message_retry_v1(%s::bigint[])"
+_DEAD_PURGE: LiteralString = "SELECT {schema}.dead_purge_v1(%s::text)"
+_CONFIGURE: LiteralString = "SELECT {schema}.queue_configure_v1(%s::text, %s::jsonb)"
+_REJECT: LiteralString = "SELECT {schema}.message_reject_v1(%s::bigint, %s::uuid, %s::text)"
+_HOUSEKEEP: LiteralString = "SELECT {schema}.housekeep_v1(%s::integer)"
+
+#: Most ids one call of delete or retry takes.
+MAX_IDS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSettings:
+    """Per-queue settings: dead letters on or off, deliveries before a message is
+    dead-lettered (None: no limit), how long dead letters are kept."""
+
+    dead_letter: bool
+    max_attempts: int | None
+    dead_retention_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Cumulative counts since the queue was created."""
+
+    enqueued: int
+    delivered: int
+    #: deliveries after the previous holder's lock expired (included in ``delivered``)
+    redelivered: int
+    acked: int
+    deferred: int
+    #: dead-lettered (rejected without requeue, or at max_attempts)
+    dead: int
+    #: dropped past their time to live
+    expired: int
+    #: refused because the channel was full
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    """A queue's gauges (now), counters (since it was created) and settings. ``ready``,
+    ``delayed`` and ``oldest_ready_at`` are None unless counted."""
+
+    queue: str
+    total: int
+    in_flight: int
+    ready: int | None
+    delayed: int | None
+    oldest_ready_at: datetime | None
+    dead: int
+    channels: int
+    counters: Counters
+    max_concurrency: int | None
+    max_size: int | None
+    settings: QueueSettings
+
+    @property
+    def waiting(self) -> int:
+        return self.total - self.in_flight
+
+    def oldest_ready_age(self, now: datetime) -> float | None:
+        """Seconds the oldest ready message has been waiting, at ``now``."""
+        if self.oldest_ready_at is None:
+            return None
+        return max(0.0, (now - self.oldest_ready_at).total_seconds())
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelStatus:
+    channel: str
+    size: int
+    in_flight: int
+    max_concurrency: int | None
+    max_size: int | None
+    has_policy: bool
+    #: since when the channel has been waiting for its turn (None: nothing to hand out)
+    waiting_since: datetime | None
+    served_at: datetime | None
+    enqueued: int
+    delivered: int
+    acked: int
+    deferred: int
+    dead: int
+    expired: int
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageInfo:
+    """A message as listed: no content."""
+
+    id: int
+    queue: str
+    channel: str
+    name: str | None
+    priority: int
+    attempts: int
+    state: State
+    dequeue_at: datetime | None
+    locked_until: datetime | None
+    created_at: datetime
+    dead_at: datetime | None
+    reason: str | None
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageDetail:
+    """One message with its content and saved state."""
+
+    id: int
+    queue: str
+    channel: str
+    name: str | None
+    priority: int
+    attempts: int
+    state: State
+    dequeue_at: datetime | None
+    locked_until: datetime | None
+    expires_at: datetime | None
+    created_at: datetime
+    dead_at: datetime | None
+    reason: str | None
+    content: bytes
+    saved_state: bytes | None
+
+    def payload(self) -> dict[str, Any] | None:
+        """The content as a kombu message (a JSON object), or None if it is not one."""
+        try:
+            data = json.loads(self.content)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+
+def _nonneg(value: Any) -> int:
+    return int(value or 0)
+
+
+def status_op(schema: str, *, count_ready: bool = True) -> Op[list[QueueStatus]]:
+    def parse(rows: Rows) -> list[QueueStatus]:
+        out = []
+        for r in rows:
+            counters = Counters(*(_nonneg(v) for v in r[8:16]))
+            settings = QueueSettings(bool(r[19]), r[18], int(r[20]))
+            out.append(
+                QueueStatus(
+                    r[0],
+                    int(r[1]),
+                    int(r[2]),
+                    r[3],
+                    r[4],
+                    r[5],
+                    int(r[6]),
+                    int(r[7]),
+                    counters,
+                    r[16],
+                    r[17],
+                    settings,
+                )
+            )
+        return out
+
+    return Op(schema, render(_STATUS, schema), (bool(count_ready),), parse)
+
+
+def channels_op(schema: str, queue: str, *, limit: int = 20) -> Op[list[ChannelStatus]]:
+    queue = _checks.name(queue, "queue")
+    count = _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT)
+
+    def parse(rows: Rows) -> list[ChannelStatus]:
+        return [ChannelStatus(*row) for row in rows]
+
+    return Op(schema, render(_CHANNELS, schema), (queue, count), parse)
+
+
+def state_arg(state: object) -> State | None:
+    if state is None:
+        return None
+    if state not in STATES:
+        raise InvalidArgument(
+            f"state must be one of {', '.join(STATES)} (or None for all), not {state!r}"
+        )
+    return state
+
+
+def list_op(
+    schema: str,
+    *,
+    queue: str | None = None,
+    channel: str | None = None,
+    state: State | None = None,
+    after: int = 0,
+    limit: int = 50,
+) -> Op[list[MessageInfo]]:
+    params = (
+        None if queue is None else _checks.name(queue, "queue"),
+        None if channel is None else _checks.name(channel, "channel"),
+        state_arg(state),
+        _checks.integer(after, "after", low=0, high=2**63 - 1),
+        _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT),
+    )
+
+    def parse(rows: Rows) -> list[MessageInfo]:
+        return [MessageInfo(*row) for row in rows]
+
+    return Op(schema, render(_LIST, schema), params, parse)
+
+
+def get_op(schema: str, message_id: int) -> Op[MessageDetail | None]:
+    ident = _checks.integer(message_id, "message id", low=1, high=2**63 - 1)
+
+    def parse(rows: Rows) -> MessageDetail | None:
+        return MessageDetail(*rows[0]) if rows else None
+
+    return Op(schema, render(_GET, schema), (ident,), parse)
+
+
+def _ids(ids: object) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise InvalidArgument("message ids must be a list of integers")
+    out = [_checks.integer(i, "message id", low=1, high=2**63 - 1) for i in ids]
+    if len(out) > MAX_IDS:
+        raise InvalidArgument(f"at most {MAX_IDS} message ids per call, not {len(out)}")
+    return out
+
+
+def remove_op(schema: str, ids: object) -> Op[dict[int, str]]:
+    """Delete messages (any state) and dead letters by id: ``{id: 'deleted' | 'not_found'}``."""
+
+    def parse(rows: Rows) -> dict[int, str]:
+        return {row[0]: row[1] for row in rows}
+
+    return Op(schema, render(_REMOVE, schema), (_ids(ids),), parse)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryResult:
+    """``retried`` (a dead letter is back in its queue as ``new_id``), ``due_now`` (a delayed
+    message), ``ready`` (nothing to do), ``locked`` (held by a consumer), ``channel_full``
+    (the dead letter stays) or ``not_found``."""
+
+    id: int
+    result: str
+    new_id: int | None
+
+
+def retry_op(schema: str, ids: object) -> Op[list[RetryResult]]:
+    def parse(rows: Rows) -> list[RetryResult]:
+        return [RetryResult(*row) for row in rows]
+
+    return Op(schema, render(_RETRY, schema), (_ids(ids),), parse)
+
+
+def dead_purge_op(schema: str, queue: str) -> Op[int]:
+    def parse(rows: Rows) -> int:
+        return int(rows[0][0])
+
+    return Op(schema, render(_DEAD_PURGE, schema), (_checks.name(queue, "queue"),), parse)
+
+
+UNSET: Any = object()
+
+
+def configure_op(
+    schema: str,
+    queue: str,
+    *,
+    dead_letter: bool = UNSET,
+    max_attempts: int | None = UNSET,
+    dead_retention_ms: float = UNSET,
+) -> Op[None]:
+    settings: dict[str, Any] = {}
+    if dead_letter is not UNSET:
+        if not isinstance(dead_letter, bool):
+            raise InvalidArgument(f"dead_letter must be True or False, not {dead_letter!r}")
+        settings["dead_letter"] = dead_letter
+    if max_attempts is not UNSET:
+        settings["max_attempts"] = (
+            None
+            if max_attempts is None
+            else _checks.integer(max_attempts, "max_attempts", low=1, high=_checks.MAX_INT4)
+        )
+    if dead_retention_ms is not UNSET:
+        settings["dead_retention_ms"] = _checks.milliseconds(
+            dead_retention_ms, "dead_retention_ms", low=1, high=_checks.MAX_DELAY_MS
+        )
+
+    def parse(rows: Rows) -> None:
+        return None
+
+    params = (_checks.name(queue, "queue"), Jsonb(settings))
+    return Op(schema, render(_CONFIGURE, schema), params, parse)
+
+
+def reject_op(
+    schema: str, message_id: int, lock_token: uuid.UUID, *, reason: str = "rejected"
+) -> Op[Outcome]:
+    """Reject a held message without requeue: to the dead letters (or deleted where the
+    queue keeps none)."""
+    why = _checks.name(reason, "reason")
+
+    def parse(rows: Rows) -> Outcome:
+        return Outcome(rows[0][0])
+
+    return Op(schema, render(_REJECT, schema), (message_id, lock_token, why), parse)
+
+
+def housekeep_op(schema: str, *, limit: int = 10_000) -> Op[int]:
+    """Prune dead letters past their retention (at most ``limit``); fold counter rows."""
+    count = _checks.integer(limit, "limit", low=1, high=1_000_000)
+
+    def parse(rows: Rows) -> int:
+        return int(rows[0][0])
+
+    return Op(schema, render(_HOUSEKEEP, schema), (count,), parse)

@@ -1,0 +1,1129 @@
+-- lonnymq migration 3: dead letters, counters, and what operating a broker needs.
+--
+-- * Dead letters (dead_message): a message rejected without requeue (message_reject_v1), or
+--   delivered max_attempts times (its holder died every time: a poison message), goes there
+--   with the reason, its attempts and when, instead of being dropped. Per queue (queue
+--   table): dead_letter (default on), max_attempts (default 20, NULL: no limit) and
+--   dead_retention_ms (default 14 days); housekeep_v1 prunes old dead letters.
+-- * message_dequeue_v2: version 1 plus dead-lettering at max_attempts and an event column
+--   ('delivered', 'redelivered' after an expired lock, 'dead'); version 1 stays for clients
+--   of schema version 2.
+-- * Cumulative counters per queue (enqueued, delivered, redelivered, acked, deferred, dead,
+--   expired, dropped): on the channel row each operation updates anyway, and in an
+--   insert-only counter table for channels that are gone.
+-- * Functions for the CLI and metrics: queue_status_v1, channel_list_v1, message_list_v1,
+--   message_get_v1, message_remove_v1, message_retry_v1, dead_purge_v1, queue_configure_v1.
+
+-- Per queue: dead letters on or off, how many deliveries a message gets before it is
+-- dead-lettered (NULL: no limit), and how long dead letters are kept.
+ALTER TABLE {schema}.queue
+    ADD COLUMN dead_letter boolean NOT NULL DEFAULT true,
+    ADD COLUMN max_attempts integer DEFAULT 20 CHECK (max_attempts > 0),
+    ADD COLUMN dead_retention_ms bigint NOT NULL DEFAULT 1209600000 CHECK (dead_retention_ms > 0);
+
+-- Cumulative counters of a channel, carried on the row every operation updates anyway.
+ALTER TABLE {schema}.channel
+    ADD COLUMN n_enqueued bigint NOT NULL DEFAULT 0,
+    ADD COLUMN n_delivered bigint NOT NULL DEFAULT 0,
+    ADD COLUMN n_acked bigint NOT NULL DEFAULT 0,
+    ADD COLUMN n_deferred bigint NOT NULL DEFAULT 0,
+    ADD COLUMN n_dead bigint NOT NULL DEFAULT 0,
+    ADD COLUMN n_expired bigint NOT NULL DEFAULT 0,
+    ADD COLUMN n_dropped bigint NOT NULL DEFAULT 0;
+
+-- Counters of channels that are gone (a channel row is deleted when it empties) and of
+-- events that touch no channel row (redeliveries after a lock expired): insert-only, so no
+-- operation ever waits on it; housekeep_v1 folds the rows of a queue into one.
+CREATE TABLE {schema}.counter (
+    queue_id integer NOT NULL,
+    enqueued bigint NOT NULL DEFAULT 0,
+    delivered bigint NOT NULL DEFAULT 0,
+    redelivered bigint NOT NULL DEFAULT 0,
+    acked bigint NOT NULL DEFAULT 0,
+    deferred bigint NOT NULL DEFAULT 0,
+    dead bigint NOT NULL DEFAULT 0,
+    expired bigint NOT NULL DEFAULT 0,
+    dropped bigint NOT NULL DEFAULT 0
+);
+
+-- Dead letters: messages rejected without requeue, or delivered max_attempts times.
+CREATE TABLE {schema}.dead_message (
+    id bigint PRIMARY KEY,
+    queue text NOT NULL,
+    channel text NOT NULL,
+    name text,
+    priority smallint NOT NULL,
+    attempts integer NOT NULL,
+    reason text NOT NULL,
+    created_at timestamptz NOT NULL,
+    dead_at timestamptz NOT NULL,
+    content bytea NOT NULL,
+    state bytea
+);
+
+CREATE INDEX dead_message_queue_idx ON {schema}.dead_message (queue, id);
+CREATE INDEX dead_message_dead_at_idx ON {schema}.dead_message (dead_at);
+
+
+DROP FUNCTION {schema}.channel_release_v1(bigint, integer, timestamptz, integer);
+
+-- Apply a channel row's new counters/policy; recompute waiting_since when saturation changed
+-- (or when asked to), delete the row when it is empty and has no policy of its own (keeping
+-- its cumulative counters in the counter table), and NOTIFY when the channel has something
+-- to hand out that it did not have before.
+CREATE OR REPLACE FUNCTION {schema}.channel_store_v1(
+    p_old {schema}.channel, p_new {schema}.channel, p_recompute boolean
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_saturated boolean;
+    v_was_saturated boolean;
+BEGIN
+    IF p_new.current_size = 0 AND NOT p_new.has_policy THEN
+        DELETE FROM {schema}.channel WHERE id = p_new.id;
+        IF p_new.n_enqueued + p_new.n_delivered + p_new.n_acked + p_new.n_deferred
+           + p_new.n_dead + p_new.n_expired + p_new.n_dropped > 0 THEN
+            INSERT INTO {schema}.counter
+                (queue_id, enqueued, delivered, acked, deferred, dead, expired, dropped)
+            VALUES (p_new.queue_id, p_new.n_enqueued, p_new.n_delivered, p_new.n_acked,
+                    p_new.n_deferred, p_new.n_dead, p_new.n_expired, p_new.n_dropped);
+        END IF;
+        RETURN;
+    END IF;
+    v_saturated := p_new.max_concurrency IS NOT NULL
+        AND p_new.current_concurrency >= p_new.max_concurrency;
+    v_was_saturated := p_old.max_concurrency IS NOT NULL
+        AND p_old.current_concurrency >= p_old.max_concurrency;
+    IF v_saturated THEN
+        p_new.waiting_since := NULL;
+    ELSIF p_recompute OR v_was_saturated THEN
+        p_new.waiting_since := {schema}.channel_waiting_v1(p_new);
+    END IF;
+    UPDATE {schema}.channel SET
+        current_size = p_new.current_size,
+        current_concurrency = p_new.current_concurrency,
+        max_concurrency = p_new.max_concurrency,
+        max_size = p_new.max_size,
+        has_policy = p_new.has_policy,
+        own_max_concurrency = p_new.own_max_concurrency,
+        own_max_size = p_new.own_max_size,
+        served_at = p_new.served_at,
+        waiting_since = p_new.waiting_since,
+        n_enqueued = p_new.n_enqueued,
+        n_delivered = p_new.n_delivered,
+        n_acked = p_new.n_acked,
+        n_deferred = p_new.n_deferred,
+        n_dead = p_new.n_dead,
+        n_expired = p_new.n_expired,
+        n_dropped = p_new.n_dropped
+    WHERE id = p_new.id;
+    IF p_new.waiting_since IS NOT NULL
+       AND (p_old.waiting_since IS NULL OR p_new.waiting_since < p_old.waiting_since) THEN
+        PERFORM pg_notify({wake}, (SELECT q.name FROM {schema}.queue q WHERE q.id = p_new.queue_id));
+    END IF;
+END;
+$$;
+
+
+-- Create a message. result_code: 'created', 'deduplicated' (message_id is the existing one)
+-- or 'dropped' (the channel is at max_size). p_ttl_ms (NULL: none): the message is dropped
+-- if not dequeued within that time after it is due.
+CREATE OR REPLACE FUNCTION {schema}.message_create_v1(
+    p_queue text,
+    p_channel text,
+    p_name text,
+    p_content bytea,
+    p_priority integer,
+    p_delay_ms bigint,
+    p_ttl_ms bigint,
+    OUT result_code text,
+    OUT message_id bigint
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+    v_at timestamptz;
+    v_due timestamptz;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtextextended({lock_prefix} || p_queue, 0));
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    v_old := {schema}.channel_lock_v1(v_queue_id, p_channel);
+    v_new := v_old;
+    IF p_name IS NOT NULL THEN
+        SELECT m.id INTO message_id FROM {schema}.message m
+        WHERE m.channel_id = v_old.id AND m.name = p_name AND m.attempts = 0;
+        IF message_id IS NOT NULL THEN
+            result_code := 'deduplicated';
+            RETURN;
+        END IF;
+    END IF;
+    IF v_old.max_size IS NOT NULL AND v_old.current_size >= v_old.max_size THEN
+        result_code := 'dropped';
+        v_new.n_dropped := v_old.n_dropped + 1;
+        -- a channel row created by this call and left empty must not linger
+        PERFORM {schema}.channel_store_v1(v_old, v_new, false);
+        RETURN;
+    END IF;
+    v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';
+    INSERT INTO {schema}.message (channel_id, queue_id, priority, dequeue_at, expires_at, name, content)
+    VALUES (v_old.id, v_queue_id, p_priority, v_at, v_at + p_ttl_ms * interval '1 millisecond',
+            p_name, p_content)
+    RETURNING id INTO message_id;
+    v_new.current_size := v_old.current_size + 1;
+    v_new.n_enqueued := v_old.n_enqueued + 1;
+    IF v_new.max_concurrency IS NULL OR v_new.current_concurrency < v_new.max_concurrency THEN
+        v_due := GREATEST(v_at, v_old.served_at);
+        IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
+            v_new.waiting_since := v_due;
+        END IF;
+    END IF;
+    PERFORM {schema}.channel_store_v1(v_old, v_new, false);
+    result_code := 'created';
+END;
+$$;
+
+
+-- Release held (or, with p_count 0, waiting) messages' slots on their channel after they
+-- were deleted, deferred or dead-lettered. p_event names the counter to add p_count to:
+-- 'ack', 'defer', 'dead' or 'remove' (none).
+CREATE FUNCTION {schema}.channel_release_v1(
+    p_channel_id bigint, p_size_delta integer, p_due timestamptz, p_count integer DEFAULT 1,
+    p_event text DEFAULT 'ack'
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+    v_due timestamptz;
+BEGIN
+    SELECT * INTO v_old FROM {schema}.channel c WHERE c.id = p_channel_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_new := v_old;
+    v_new.current_size := GREATEST(0, v_old.current_size + p_size_delta);
+    v_new.current_concurrency := GREATEST(0, v_old.current_concurrency - p_count);
+    IF p_event = 'ack' THEN
+        v_new.n_acked := v_old.n_acked + p_count;
+    ELSIF p_event = 'defer' THEN
+        v_new.n_deferred := v_old.n_deferred + p_count;
+    ELSIF p_event = 'dead' THEN
+        v_new.n_dead := v_old.n_dead + p_count;
+    END IF;
+    IF p_due IS NOT NULL THEN
+        v_due := GREATEST(p_due, v_old.served_at);
+        IF v_old.waiting_since IS NULL OR v_due < v_old.waiting_since THEN
+            v_new.waiting_since := v_due;
+        END IF;
+    END IF;
+    PERFORM {schema}.channel_store_v1(v_old, v_new, false);
+END;
+$$;
+
+
+-- Defer a held message: unlock it, due again after p_delay_ms, with new state when
+-- p_set_state. Attempts are kept. result_code as for delete.
+CREATE OR REPLACE FUNCTION {schema}.message_defer_v1(
+    p_id bigint, p_lock_token uuid, p_delay_ms bigint, p_set_state boolean, p_state bytea,
+    OUT result_code text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_channel_id bigint;
+    v_at timestamptz;
+BEGIN
+    UPDATE {schema}.message m SET
+        locked_until = NULL,
+        lock_token = NULL,
+        -- a NULL delay requeues: the message keeps its place (as RabbitMQ's requeue does)
+        dequeue_at = CASE WHEN p_delay_ms IS NULL THEN m.dequeue_at
+            ELSE clock_timestamp() + p_delay_ms * interval '1 millisecond' END,
+        state = CASE WHEN p_set_state THEN p_state ELSE m.state END
+    WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
+    RETURNING m.channel_id, m.dequeue_at INTO v_channel_id, v_at;
+    IF v_channel_id IS NULL THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
+            THEN 'state_invalid' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    PERFORM {schema}.channel_release_v1(v_channel_id, 0, v_at, 1, 'defer');
+    result_code := 'ok';
+END;
+$$;
+
+
+-- Move messages (in any state) to the dead letters of their queue, or delete them where the
+-- queue keeps no dead letters. Returns what was removed; the caller updates the channels.
+CREATE FUNCTION {schema}.message_bury_v1(p_ids bigint[], p_reason text)
+RETURNS TABLE (
+    message_id bigint, channel_id bigint, held boolean, queue_name text, channel_name text,
+    message_name text, message_attempts integer, message_created_at timestamptz
+)
+LANGUAGE sql AS $$
+    WITH gone AS (
+        DELETE FROM {schema}.message m WHERE m.id = ANY (p_ids)
+        RETURNING m.*
+    ), named AS (
+        SELECT g.*, q.name AS q_name, c.name AS c_name, q.dead_letter
+        FROM gone g
+        JOIN {schema}.queue q ON q.id = g.queue_id
+        JOIN {schema}.channel c ON c.id = g.channel_id
+    ), kept AS (
+        INSERT INTO {schema}.dead_message
+            (id, queue, channel, name, priority, attempts, reason, created_at, dead_at,
+             content, state)
+        SELECT n.id, n.q_name, n.c_name, n.name, n.priority, n.attempts, p_reason,
+               n.created_at, clock_timestamp(), n.content, n.state
+        FROM named n WHERE n.dead_letter
+        ON CONFLICT (id) DO NOTHING
+    )
+    SELECT n.id, n.channel_id, n.locked_until IS NOT NULL, n.q_name, n.c_name, n.name,
+           n.attempts, n.created_at
+    FROM named n ORDER BY n.id;
+$$;
+
+
+-- Reject a held message without requeue: it goes to the dead letters of its queue (or is
+-- deleted where the queue keeps none). result_code as for delete.
+CREATE FUNCTION {schema}.message_reject_v1(
+    p_id bigint, p_lock_token uuid, p_reason text, OUT result_code text
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel_id bigint;
+BEGIN
+    PERFORM 1 FROM {schema}.message m
+    WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
+            THEN 'state_invalid' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    SELECT b.channel_id INTO v_channel_id
+    FROM {schema}.message_bury_v1(ARRAY[p_id], coalesce(p_reason, 'rejected')) AS b;
+    PERFORM {schema}.channel_release_v1(v_channel_id, -1, NULL, 1, 'dead');
+    result_code := 'ok';
+END;
+$$;
+
+
+-- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms.
+-- Messages whose lock expired come first (their holder is gone); then channels with a due
+-- message are served round-robin, the one waiting longest first, skipping channels at
+-- max_concurrency. Rows come back in delivery order. When no message is available, one row
+-- comes back with message_id NULL and retry_ms: milliseconds until something may become
+-- available (NULL: nothing is pending). A message already delivered max_attempts times (of
+-- its queue) is not delivered again: it goes to the dead letters and comes back as a row
+-- with event 'dead' (no lock token, no content), for the caller's log. The event of a
+-- delivered message is 'delivered', or 'redelivered' when its previous lock had expired.
+CREATE FUNCTION {schema}.message_dequeue_v2(p_queues text[], p_limit integer, p_lock_ms bigint)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+-- Generic plans: re-planning a dozen statements on every call (custom plans) cost more than
+-- executing them; tests/test_plans.py checks the generic plans use the indexes. lock_timeout:
+-- see step 2.
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET lock_timeout = '50ms' AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_queue_ids integer[];
+    v_got integer := 0;
+    v_left integer;
+    v_n integer;
+    v_channels {schema}.channel[];
+    v_taken integer[];
+    v_done boolean[];
+    v_dropped integer[];
+    v_expired bigint[];
+    v_relock bigint[];
+    v_locked bigint[];
+    v_new {schema}.channel;
+    v_batch bigint[];
+    v_ids bigint[] := ARRAY[]::bigint[];
+    v_ranks integer[] := ARRAY[]::integer[];
+    v_orders integer[] := ARRAY[]::integer[];
+    v_quota integer;
+    v_open integer;
+    v_cap integer;
+    v_try integer := 0;
+    v_wait_id bigint;
+    v_max_attempts integer[];
+    v_max integer;
+    v_poison bigint[];
+    v_dead integer[];
+    -- dead-lettered this call: id, queue, channel, name, attempts, created_at
+    v_d_ids bigint[] := ARRAY[]::bigint[];
+    v_d_queues text[] := ARRAY[]::text[];
+    v_d_channels text[] := ARRAY[]::text[];
+    v_d_names text[] := ARRAY[]::text[];
+    v_d_attempts integer[] := ARRAY[]::integer[];
+    v_d_created timestamptz[] := ARRAY[]::timestamptz[];
+    b_ids bigint[];
+    b_channel_ids bigint[];
+    b_queues text[];
+    b_channels text[];
+    b_names text[];
+    b_attempts integer[];
+    b_created timestamptz[];
+    v_rec record;
+    i integer;
+BEGIN
+    SELECT array_agg(q.id), array_agg(coalesce(q.max_attempts, 2147483647))
+    INTO v_queue_ids, v_max_attempts
+    FROM {schema}.queue q WHERE q.name = ANY (p_queues);
+    IF v_queue_ids IS NULL THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint,
+            NULL::text;
+        RETURN;
+    END IF;
+
+    -- 1. Messages whose lock expired. They still count against their channel's concurrency,
+    --    so they are re-locked without touching the channel row. Each queue is read in index
+    --    order, stopping at p_limit: no sort of every expired lock (after a crash there may be
+    --    thousands); usually there is none, and this one probe is all it costs.
+    BEGIN
+        v_relock := ARRAY(
+            SELECT x.id FROM unnest(v_queue_ids) AS qid
+            CROSS JOIN LATERAL (
+                SELECT e.id, e.locked_until FROM {schema}.message e
+                WHERE e.queue_id = qid AND e.locked_until <= v_now
+                ORDER BY e.locked_until
+                LIMIT p_limit
+                FOR UPDATE SKIP LOCKED
+            ) AS x
+            ORDER BY x.locked_until
+            LIMIT p_limit
+        );
+    EXCEPTION WHEN lock_not_available THEN
+        v_relock := ARRAY[]::bigint[];  -- see step 2: an ack holds one; take them next time
+    END;
+    IF cardinality(v_relock) > 0 THEN
+        -- Delivered max_attempts times already, and its holder died each time: a poison
+        -- message. Dead-letter it instead (and give up until the next call if a channel row
+        -- is busy: lock_timeout, as in step 2).
+        v_poison := ARRAY(
+            SELECT m.id FROM {schema}.message m
+            WHERE m.id = ANY (v_relock)
+              AND m.attempts >= v_max_attempts[array_position(v_queue_ids, m.queue_id)]
+            ORDER BY m.id
+        );
+        IF cardinality(v_poison) > 0 THEN
+            v_relock := ARRAY(SELECT u.id FROM unnest(v_relock) AS u(id) WHERE u.id <> ALL (v_poison));
+            BEGIN
+                SELECT array_agg(b.message_id), array_agg(b.channel_id), array_agg(b.queue_name),
+                       array_agg(b.channel_name), array_agg(b.message_name),
+                       array_agg(b.message_attempts), array_agg(b.message_created_at)
+                INTO b_ids, b_channel_ids, b_queues, b_channels, b_names, b_attempts, b_created
+                FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b;
+                FOR v_rec IN
+                    SELECT x.channel_id, count(*)::integer AS n
+                    FROM unnest(b_channel_ids) AS x(channel_id)
+                    GROUP BY x.channel_id ORDER BY x.channel_id
+                LOOP
+                    PERFORM {schema}.channel_release_v1(v_rec.channel_id, -v_rec.n, NULL, v_rec.n, 'dead');
+                END LOOP;
+                v_d_ids := v_d_ids || b_ids;
+                v_d_queues := v_d_queues || b_queues;
+                v_d_channels := v_d_channels || b_channels;
+                v_d_names := v_d_names || b_names;
+                v_d_attempts := v_d_attempts || b_attempts;
+                v_d_created := v_d_created || b_created;
+            EXCEPTION WHEN lock_not_available THEN
+                NULL;  -- left as they are: the next call tries again
+            END;
+        END IF;
+    END IF;
+    IF cardinality(v_relock) > 0 THEN
+        RETURN QUERY
+            WITH relocked AS (
+                -- ids as an array, not a join: a join estimated from LIMIT's row count can
+                -- turn into a hash join over the whole table under a generic plan
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1
+                WHERE m.id = ANY (v_relock)
+                RETURNING m.*
+            ), counted AS (
+                INSERT INTO {schema}.counter (queue_id, delivered, redelivered)
+                SELECT x.queue_id, count(*), count(*) FROM relocked x GROUP BY x.queue_id
+            )
+            SELECT r.id, q.name, c.name, r.name, r.priority, r.attempts, r.lock_token,
+                   r.created_at, r.content, r.state, NULL::bigint, 'redelivered'::text
+            FROM relocked r
+            JOIN {schema}.channel c ON c.id = r.channel_id
+            JOIN {schema}.queue q ON q.id = r.queue_id
+            ORDER BY r.id;
+        GET DIAGNOSTICS v_got = ROW_COUNT;
+    END IF;
+    v_left := p_limit - v_got;
+
+    -- 2. Lock the channels whose turn it is.
+    WHILE v_left > 0 LOOP
+        BEGIN
+            SELECT array_agg(s.c ORDER BY (s.c).waiting_since, (s.c).id) INTO v_channels
+            FROM (
+                SELECT l.c FROM unnest(v_queue_ids) AS qid
+                CROSS JOIN LATERAL (
+                    SELECT c FROM {schema}.channel c
+                    WHERE c.queue_id = qid AND c.waiting_since <= v_now
+                    ORDER BY c.waiting_since, c.id
+                    LIMIT v_left
+                    FOR UPDATE SKIP LOCKED
+                ) AS l
+                ORDER BY (l.c).waiting_since, (l.c).id
+                LIMIT v_left
+            ) AS s;
+        EXCEPTION WHEN lock_not_available THEN
+            -- SKIP LOCKED still waits when it must lock the newer version of a row updated
+            -- since our snapshot while another transaction holds it. Waiting with other
+            -- channels of this statement locked can deadlock with acks (which lock channels
+            -- in id order), so give up after lock_timeout (set on this function): this
+            -- pass locked nothing, and the loop looks again.
+            v_channels := NULL;
+        END;
+        EXIT WHEN v_channels IS NOT NULL OR v_got > 0 OR v_try >= 10;
+        -- Nothing could be locked. If a channel is due, another transaction holds it (a
+        -- create, an ack or another dequeue in flight): wait for it instead of reporting an
+        -- empty queue, which would send the consumer to sleep with work waiting.
+        v_try := v_try + 1;
+        v_now := clock_timestamp();  -- due now, not when the call started
+        SELECT w.id INTO v_wait_id FROM unnest(v_queue_ids) AS qid
+        CROSS JOIN LATERAL (
+            SELECT c.id, c.waiting_since FROM {schema}.channel c
+            WHERE c.queue_id = qid AND c.waiting_since <= v_now
+            ORDER BY c.waiting_since, c.id
+            LIMIT 1
+        ) AS w
+        ORDER BY w.waiting_since, w.id
+        LIMIT 1;
+        EXIT WHEN v_wait_id IS NULL;
+        -- Give the holder a moment (its transaction is one function call) and look again.
+        -- Sleep, never wait on the row lock: the SKIP LOCKED pass above may have left rows
+        -- locked that it did not return (a row updated since our snapshot is locked, then
+        -- fails the recheck), and waiting on a lock while holding one can deadlock with a
+        -- batch of creates. A dequeue never waits on a lock, so it can never deadlock.
+        PERFORM pg_sleep(0.001);
+        v_now := clock_timestamp();
+        v_wait_id := NULL;
+    END LOOP;
+
+    IF v_channels IS NOT NULL THEN
+        -- 3. Take messages in passes: each open channel gets an equal share of what is left;
+        --    a channel that filled its share stays open for the next pass.
+        v_taken := array_fill(0, ARRAY[cardinality(v_channels)]);
+        v_done := array_fill(false, ARRAY[cardinality(v_channels)]);
+        v_dropped := array_fill(0, ARRAY[cardinality(v_channels)]);
+        v_dead := array_fill(0, ARRAY[cardinality(v_channels)]);
+        v_open := cardinality(v_channels);
+        WHILE v_left > 0 AND v_open > 0 LOOP
+            v_quota := ceil(v_left::numeric / v_open)::integer;
+            v_open := 0;
+            FOR i IN 1 .. cardinality(v_channels) LOOP
+                EXIT WHEN v_left <= 0;
+                v_cap := LEAST(v_quota, v_left);
+                IF v_channels[i].max_concurrency IS NOT NULL THEN
+                    v_cap := LEAST(v_cap, v_channels[i].max_concurrency
+                        - v_channels[i].current_concurrency - v_taken[i]);
+                END IF;
+                CONTINUE WHEN v_cap <= 0 OR v_done[i];
+                v_max := v_max_attempts[array_position(v_queue_ids, v_channels[i].queue_id)];
+                SELECT array_agg(x.id ORDER BY x.rn) INTO v_batch
+                FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
+                    WITH ORDINALITY AS x(id, rn);
+                -- lock them, by primary key from the array (never a join the planner could
+                -- hash); messages past their time to live are left out, and dropped below,
+                -- and so are those delivered max_attempts times (dead-lettered below)
+                WITH locked AS (
+                    UPDATE {schema}.message m SET
+                        locked_until = v_now + v_lock,
+                        lock_token = gen_random_uuid(),
+                        attempts = m.attempts + 1
+                    WHERE m.id = ANY (v_batch) AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                      AND m.attempts < v_max
+                    RETURNING m.id
+                )
+                SELECT array_agg(l.id) INTO v_locked FROM locked l;
+                v_expired := NULL;
+                IF coalesce(cardinality(v_locked), 0) < coalesce(cardinality(v_batch), 0) THEN
+                    WITH gone AS (
+                        DELETE FROM {schema}.message m
+                        WHERE m.id = ANY (v_batch) AND m.expires_at <= v_now
+                          AND m.id <> ALL (coalesce(v_locked, ARRAY[]::bigint[]))
+                        RETURNING m.id
+                    )
+                    SELECT array_agg(gone.id) INTO v_expired FROM gone;
+                    v_dropped[i] := v_dropped[i] + coalesce(cardinality(v_expired), 0);
+                    v_poison := ARRAY(
+                        SELECT u.id FROM unnest(v_batch) AS u(id)
+                        WHERE u.id <> ALL (coalesce(v_locked, ARRAY[]::bigint[]))
+                          AND u.id <> ALL (coalesce(v_expired, ARRAY[]::bigint[]))
+                    );
+                    IF cardinality(v_poison) > 0 THEN
+                        -- the channel row is ours already: count them in step 4
+                        SELECT array_agg(b.message_id), array_agg(b.queue_name),
+                               array_agg(b.channel_name), array_agg(b.message_name),
+                               array_agg(b.message_attempts), array_agg(b.message_created_at)
+                        INTO b_ids, b_queues, b_channels, b_names, b_attempts, b_created
+                        FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b;
+                        v_dead[i] := v_dead[i] + coalesce(cardinality(b_ids), 0);
+                        v_d_ids := v_d_ids || b_ids;
+                        v_d_queues := v_d_queues || b_queues;
+                        v_d_channels := v_d_channels || b_channels;
+                        v_d_names := v_d_names || b_names;
+                        v_d_attempts := v_d_attempts || b_attempts;
+                        v_d_created := v_d_created || b_created;
+                    END IF;
+                    SELECT array_agg(u.id ORDER BY u.ord) INTO v_batch
+                    FROM unnest(v_batch) WITH ORDINALITY AS u(id, ord)
+                    WHERE u.id = ANY (coalesce(v_locked, ARRAY[]::bigint[]));
+                    v_done[i] := true;  -- look again on the next call
+                END IF;
+                v_n := coalesce(cardinality(v_batch), 0);
+                IF v_n < v_cap AND v_expired IS NULL THEN
+                    v_done[i] := true;  -- nothing more due in this channel
+                END IF;
+                CONTINUE WHEN v_n = 0;
+                v_ids := v_ids || v_batch;
+                v_ranks := v_ranks || ARRAY(SELECT v_taken[i] + g FROM generate_series(1, v_n) AS g);
+                v_orders := v_orders || array_fill(i, ARRAY[v_n]);
+                v_taken[i] := v_taken[i] + v_n;
+                v_left := v_left - v_n;
+                IF NOT v_done[i] THEN
+                    v_open := v_open + 1;
+                END IF;
+            END LOOP;
+        END LOOP;
+
+        RETURN QUERY
+            SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts, m.lock_token,
+                   m.created_at, m.content, m.state, NULL::bigint, 'delivered'::text
+            FROM unnest(v_ids, v_ranks, v_orders) AS s(id, rnk, ord)
+            JOIN {schema}.message m ON m.id = s.id
+            JOIN {schema}.channel c ON c.id = m.channel_id
+            JOIN {schema}.queue q ON q.id = m.queue_id
+            ORDER BY s.rnk, s.ord;
+
+        -- 4. Move the served channels to the back of the round, in the order served.
+        FOR i IN 1 .. cardinality(v_channels) LOOP
+            v_new := v_channels[i];
+            v_new.current_concurrency := v_new.current_concurrency + v_taken[i];
+            v_new.current_size := v_new.current_size - v_dropped[i] - v_dead[i];
+            v_new.n_delivered := v_new.n_delivered + v_taken[i];
+            v_new.n_expired := v_new.n_expired + v_dropped[i];
+            v_new.n_dead := v_new.n_dead + v_dead[i];
+            IF v_taken[i] > 0 THEN
+                v_new.served_at := clock_timestamp();
+            END IF;
+            PERFORM {schema}.channel_store_v1(v_channels[i], v_new, true);
+        END LOOP;
+        v_got := v_got + cardinality(v_ids);
+    END IF;
+
+    IF cardinality(v_d_ids) > 0 THEN
+        RETURN QUERY
+            SELECT d.id, d.q, d.c, d.n, NULL::smallint, d.a, NULL::uuid, d.t, NULL::bytea,
+                   NULL::bytea, NULL::bigint, 'dead'::text
+            FROM unnest(v_d_ids, v_d_queues, v_d_channels, v_d_names, v_d_attempts, v_d_created)
+                AS d(id, q, c, n, a, t);
+    END IF;
+    IF v_got = 0 THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+            CASE WHEN cardinality(v_d_ids) > 0 THEN 0::bigint
+                 ELSE {schema}.queue_retry_ms_v1(v_queue_ids) END,
+            NULL::text;
+    END IF;
+END;
+$$;
+
+
+-- Version 1 of dequeue, for clients of the previous schema version: version 2 without the
+-- rows of dead-lettered messages.
+CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v1(p_queues text[], p_limit integer, p_lock_ms bigint)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint
+)
+LANGUAGE sql AS $$
+    SELECT d.message_id, d.queue_name, d.channel_name, d.message_name, d.message_priority,
+           d.message_attempts, d.message_lock_token, d.message_created_at, d.message_content,
+           d.message_state, d.retry_ms
+    FROM {schema}.message_dequeue_v2(p_queues, p_limit, p_lock_ms) AS d
+    WHERE d.event IS DISTINCT FROM 'dead';
+$$;
+
+
+-- Delete a queue: all its messages (held ones too), channels, policies and counters. Its
+-- dead letters stay until their retention ends. Returns how many messages were deleted.
+CREATE OR REPLACE FUNCTION {schema}.queue_delete_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_n bigint := 0;
+    v_m bigint;
+    v_channel_id bigint;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || p_queue, 0));
+    DELETE FROM {schema}.binding WHERE queue = p_queue;
+    SELECT q.id INTO v_queue_id FROM {schema}.queue q WHERE q.name = p_queue FOR UPDATE;
+    IF v_queue_id IS NULL THEN
+        RETURN 0;
+    END IF;
+    FOR v_channel_id IN
+        SELECT c.id FROM {schema}.channel c WHERE c.queue_id = v_queue_id ORDER BY c.name FOR UPDATE
+    LOOP
+        DELETE FROM {schema}.message m WHERE m.channel_id = v_channel_id;
+        GET DIAGNOSTICS v_m = ROW_COUNT;
+        v_n := v_n + v_m;
+        DELETE FROM {schema}.channel WHERE id = v_channel_id;
+    END LOOP;
+    DELETE FROM {schema}.counter WHERE queue_id = v_queue_id;
+    DELETE FROM {schema}.queue WHERE id = v_queue_id;
+    RETURN v_n;
+END;
+$$;
+
+
+-- ---------------------------------------------------------------------------------------------
+-- Operating: status, channels, messages, dead letters, settings, housekeeping.
+-- ---------------------------------------------------------------------------------------------
+
+-- Every queue with its gauges, cumulative counters and settings. Splitting waiting messages
+-- into ready and delayed (and finding the oldest ready one) reads them: O(messages waiting);
+-- p_count_ready false skips it (those columns are then NULL).
+CREATE FUNCTION {schema}.queue_status_v1(p_count_ready boolean)
+RETURNS TABLE (
+    queue_name text, total bigint, in_flight bigint, ready bigint, delayed bigint,
+    oldest_ready_at timestamptz, dead bigint, channels bigint,
+    enqueued bigint, delivered bigint, redelivered bigint, acked bigint, deferred bigint,
+    dead_lettered bigint, expired bigint, dropped bigint,
+    max_concurrency integer, max_size integer, max_attempts integer, dead_letter boolean,
+    dead_retention_ms bigint
+)
+LANGUAGE sql STABLE AS $$
+    SELECT q.name, ch.total, ch.in_flight, w.ready, w.delayed, w.oldest,
+           (SELECT count(*) FROM {schema}.dead_message d WHERE d.queue = q.name), ch.channels,
+           ch.enqueued + coalesce(co.enqueued, 0), ch.delivered + coalesce(co.delivered, 0),
+           coalesce(co.redelivered, 0), ch.acked + coalesce(co.acked, 0),
+           ch.deferred + coalesce(co.deferred, 0), ch.dead + coalesce(co.dead, 0),
+           ch.expired + coalesce(co.expired, 0), ch.dropped + coalesce(co.dropped, 0),
+           q.max_concurrency, q.max_size, q.max_attempts, q.dead_letter, q.dead_retention_ms
+    FROM {schema}.queue q
+    CROSS JOIN LATERAL (
+        SELECT coalesce(sum(c.current_size), 0)::bigint AS total,
+               coalesce(sum(c.current_concurrency), 0)::bigint AS in_flight,
+               count(*) FILTER (WHERE c.current_size > 0) AS channels,
+               coalesce(sum(c.n_enqueued), 0)::bigint AS enqueued,
+               coalesce(sum(c.n_delivered), 0)::bigint AS delivered,
+               coalesce(sum(c.n_acked), 0)::bigint AS acked,
+               coalesce(sum(c.n_deferred), 0)::bigint AS deferred,
+               coalesce(sum(c.n_dead), 0)::bigint AS dead,
+               coalesce(sum(c.n_expired), 0)::bigint AS expired,
+               coalesce(sum(c.n_dropped), 0)::bigint AS dropped
+        FROM {schema}.channel c WHERE c.queue_id = q.id
+    ) AS ch
+    LEFT JOIN (
+        SELECT x.queue_id, sum(x.enqueued)::bigint AS enqueued,
+               sum(x.delivered)::bigint AS delivered, sum(x.redelivered)::bigint AS redelivered,
+               sum(x.acked)::bigint AS acked, sum(x.deferred)::bigint AS deferred,
+               sum(x.dead)::bigint AS dead, sum(x.expired)::bigint AS expired,
+               sum(x.dropped)::bigint AS dropped
+        FROM {schema}.counter x GROUP BY x.queue_id
+    ) AS co ON co.queue_id = q.id
+    LEFT JOIN LATERAL (
+        SELECT count(*) FILTER (WHERE m.dequeue_at <= clock_timestamp()) AS ready,
+               count(*) FILTER (WHERE m.dequeue_at > clock_timestamp()) AS delayed,
+               min(m.dequeue_at) FILTER (WHERE m.dequeue_at <= clock_timestamp()) AS oldest
+        FROM {schema}.channel c2
+        JOIN {schema}.message m ON m.channel_id = c2.id AND m.locked_until IS NULL
+        WHERE c2.queue_id = q.id AND p_count_ready
+    ) AS w ON p_count_ready
+    ORDER BY q.name;
+$$;
+
+
+-- The channels of a queue, largest first, with their policies and counters.
+CREATE FUNCTION {schema}.channel_list_v1(p_queue text, p_limit integer)
+RETURNS TABLE (
+    channel_name text, size integer, in_flight integer, max_concurrency integer,
+    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
+    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
+    expired bigint, dropped bigint
+)
+LANGUAGE sql STABLE AS $$
+    SELECT c.name, c.current_size, c.current_concurrency, c.max_concurrency, c.max_size,
+           c.has_policy, c.waiting_since, c.served_at, c.n_enqueued, c.n_delivered, c.n_acked,
+           c.n_deferred, c.n_dead, c.n_expired, c.n_dropped
+    FROM {schema}.channel c
+    JOIN {schema}.queue q ON q.id = c.queue_id
+    WHERE q.name = p_queue
+    ORDER BY c.current_size DESC, c.current_concurrency DESC, c.name
+    LIMIT p_limit;
+$$;
+
+
+-- Messages, oldest id first, after p_after (keyset paging), filtered by queue, channel and
+-- state ('ready', 'delayed', 'locked', 'dead'; NULL: all); NULL filters match everything.
+CREATE FUNCTION {schema}.message_list_v1(
+    p_queue text, p_channel text, p_state text, p_after bigint, p_limit integer
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    priority smallint, attempts integer, state text, dequeue_at timestamptz,
+    locked_until timestamptz, created_at timestamptz, dead_at timestamptz, reason text,
+    size integer
+)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    IF p_state IS NOT NULL AND p_state NOT IN ('ready', 'delayed', 'locked', 'dead') THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('unknown message state %L (ready, delayed, locked or dead)', p_state);
+    END IF;
+    RETURN QUERY
+        SELECT x.* FROM (
+            (SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts,
+                    CASE WHEN m.locked_until IS NOT NULL THEN 'locked'
+                         WHEN m.dequeue_at > v_now THEN 'delayed'
+                         ELSE 'ready' END,
+                    m.dequeue_at, m.locked_until, m.created_at, NULL::timestamptz, NULL::text,
+                    length(m.content)
+             FROM {schema}.message m
+             JOIN {schema}.queue q ON q.id = m.queue_id
+             JOIN {schema}.channel c ON c.id = m.channel_id
+             WHERE m.id > p_after
+               AND (p_queue IS NULL OR q.name = p_queue)
+               AND (p_channel IS NULL OR c.name = p_channel)
+               AND (p_state IS NULL
+                    OR (p_state = 'locked' AND m.locked_until IS NOT NULL)
+                    OR (p_state = 'delayed' AND m.locked_until IS NULL AND m.dequeue_at > v_now)
+                    OR (p_state = 'ready' AND m.locked_until IS NULL AND m.dequeue_at <= v_now))
+             ORDER BY m.id
+             LIMIT p_limit)
+            UNION ALL
+            (SELECT d.id, d.queue, d.channel, d.name, d.priority, d.attempts, 'dead'::text,
+                    NULL::timestamptz, NULL::timestamptz, d.created_at, d.dead_at, d.reason,
+                    length(d.content)
+             FROM {schema}.dead_message d
+             WHERE d.id > p_after
+               AND (p_queue IS NULL OR d.queue = p_queue)
+               AND (p_channel IS NULL OR d.channel = p_channel)
+               AND (p_state IS NULL OR p_state = 'dead')
+             ORDER BY d.id
+             LIMIT p_limit)
+        ) AS x
+        ORDER BY 1
+        LIMIT p_limit;
+END;
+$$;
+
+
+-- One message, live or dead, with its content and saved state (no row: not found).
+CREATE FUNCTION {schema}.message_get_v1(p_id bigint)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    priority smallint, attempts integer, state text, dequeue_at timestamptz,
+    locked_until timestamptz, expires_at timestamptz, created_at timestamptz,
+    dead_at timestamptz, reason text, content bytea, saved_state bytea
+)
+LANGUAGE sql STABLE AS $$
+    SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts,
+           CASE WHEN m.locked_until IS NOT NULL THEN 'locked'
+                WHEN m.dequeue_at > clock_timestamp() THEN 'delayed'
+                ELSE 'ready' END,
+           m.dequeue_at, m.locked_until, m.expires_at, m.created_at, NULL::timestamptz,
+           NULL::text, m.content, m.state
+    FROM {schema}.message m
+    JOIN {schema}.queue q ON q.id = m.queue_id
+    JOIN {schema}.channel c ON c.id = m.channel_id
+    WHERE m.id = p_id
+    UNION ALL
+    SELECT d.id, d.queue, d.channel, d.name, d.priority, d.attempts, 'dead', NULL, NULL, NULL,
+           d.created_at, d.dead_at, d.reason, d.content, d.state
+    FROM {schema}.dead_message d
+    WHERE d.id = p_id;
+$$;
+
+
+-- Delete messages by id, whatever their state (a held one's holder then finds it gone), and
+-- dead letters. result_code per id: 'deleted' or 'not_found'.
+CREATE FUNCTION {schema}.message_remove_v1(p_ids bigint[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channels bigint[];
+    v_held boolean[];
+    v_gone bigint[];
+    v_dead bigint[];
+    r record;
+BEGIN
+    WITH gone AS (
+        DELETE FROM {schema}.message m WHERE m.id = ANY (p_ids)
+        RETURNING m.id, m.channel_id, m.locked_until IS NOT NULL AS held
+    )
+    SELECT array_agg(g.id), array_agg(g.channel_id), array_agg(g.held)
+    INTO v_gone, v_channels, v_held FROM gone g;
+    -- one update per channel, in id order (the order acks use)
+    FOR r IN
+        SELECT x.channel_id, count(*)::integer AS n, count(*) FILTER (WHERE x.held)::integer AS h
+        FROM unnest(v_channels, v_held) AS x(channel_id, held)
+        GROUP BY x.channel_id ORDER BY x.channel_id
+    LOOP
+        PERFORM {schema}.channel_release_v1(r.channel_id, -r.n, NULL, r.h, 'remove');
+    END LOOP;
+    WITH dead AS (
+        DELETE FROM {schema}.dead_message d WHERE d.id = ANY (p_ids) RETURNING d.id
+    )
+    SELECT array_agg(d.id) INTO v_dead FROM dead d;
+    RETURN QUERY
+        SELECT h.id,
+               CASE WHEN h.id = ANY (coalesce(v_gone, ARRAY[]::bigint[]))
+                      OR h.id = ANY (coalesce(v_dead, ARRAY[]::bigint[]))
+                    THEN 'deleted' ELSE 'not_found' END
+        FROM unnest(p_ids) AS h(id);
+END;
+$$;
+
+
+-- Retry messages by id: a dead letter goes back to its queue and channel as a new message
+-- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now').
+-- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' (the
+-- dead letter stays), 'not_found'.
+CREATE FUNCTION {schema}.message_retry_v1(p_ids bigint[])
+RETURNS TABLE (message_id bigint, result_code text, new_id bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id bigint;
+    v_dead {schema}.dead_message;
+    v_code text;
+    v_new_id bigint;
+    v_channel_id bigint;
+    v_locked timestamptz;
+    v_at timestamptz;
+BEGIN
+    FOR v_id IN SELECT DISTINCT u.id FROM unnest(p_ids) AS u(id) ORDER BY u.id LOOP
+        message_id := v_id;
+        new_id := NULL;
+        DELETE FROM {schema}.dead_message d WHERE d.id = v_id RETURNING d.* INTO v_dead;
+        IF FOUND THEN
+            SELECT c.result_code, c.message_id INTO v_code, v_new_id
+            FROM {schema}.message_create_v1(
+                v_dead.queue, v_dead.channel, v_dead.name, v_dead.content, v_dead.priority,
+                0, NULL) AS c;
+            IF v_code = 'dropped' THEN
+                INSERT INTO {schema}.dead_message SELECT (v_dead).*;
+                result_code := 'channel_full';
+            ELSE
+                IF v_code = 'created' AND v_dead.state IS NOT NULL THEN
+                    UPDATE {schema}.message m SET state = v_dead.state WHERE m.id = v_new_id;
+                END IF;
+                result_code := 'retried';
+                new_id := v_new_id;
+            END IF;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        SELECT m.channel_id, m.locked_until, m.dequeue_at INTO v_channel_id, v_locked, v_at
+        FROM {schema}.message m WHERE m.id = v_id;
+        IF NOT FOUND THEN
+            result_code := 'not_found';
+        ELSIF v_locked IS NOT NULL THEN
+            result_code := 'locked';
+        ELSIF v_at <= clock_timestamp() THEN
+            result_code := 'ready';
+        ELSE
+            UPDATE {schema}.message m SET dequeue_at = clock_timestamp()
+            WHERE m.id = v_id AND m.locked_until IS NULL
+            RETURNING m.dequeue_at INTO v_at;
+            IF FOUND THEN
+                PERFORM {schema}.channel_release_v1(v_channel_id, 0, v_at, 0, 'remove');
+                result_code := 'due_now';
+            ELSE
+                result_code := 'locked';
+            END IF;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+
+-- Delete the dead letters of a queue; returns how many.
+CREATE FUNCTION {schema}.dead_purge_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    DELETE FROM {schema}.dead_message d WHERE d.queue = p_queue;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    RETURN v_n;
+END;
+$$;
+
+
+-- Change a queue's settings (created with the defaults if new). p_settings holds any of:
+-- dead_letter (boolean), max_attempts (integer > 0, or null: no limit), dead_retention_ms
+-- (integer > 0). Other keys are refused.
+CREATE FUNCTION {schema}.queue_configure_v1(p_queue text, p_settings jsonb) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_key text;
+BEGIN
+    IF jsonb_typeof(p_settings) IS DISTINCT FROM 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'queue settings must be an object';
+    END IF;
+    FOR v_key IN SELECT jsonb_object_keys(p_settings) LOOP
+        IF v_key NOT IN ('dead_letter', 'max_attempts', 'dead_retention_ms') THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('unknown queue setting %L', v_key);
+        END IF;
+    END LOOP;
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        dead_letter = CASE WHEN p_settings ? 'dead_letter'
+            THEN (p_settings ->> 'dead_letter')::boolean ELSE q.dead_letter END,
+        max_attempts = CASE WHEN p_settings ? 'max_attempts'
+            THEN (p_settings ->> 'max_attempts')::integer ELSE q.max_attempts END,
+        dead_retention_ms = CASE WHEN p_settings ? 'dead_retention_ms'
+            THEN (p_settings ->> 'dead_retention_ms')::bigint ELSE q.dead_retention_ms END
+    WHERE q.id = v_queue_id;
+END;
+$$;
+
+
+-- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
+-- queue's retention (at most p_limit), and fold the counter rows of each queue into one.
+CREATE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_shortest bigint;
+BEGIN
+    SELECT least(min(q.dead_retention_ms), 1209600000) INTO v_shortest FROM {schema}.queue q;
+    WITH old AS (
+        SELECT d.id FROM {schema}.dead_message d
+        LEFT JOIN {schema}.queue q ON q.name = d.queue
+        WHERE d.dead_at < v_now - coalesce(v_shortest, 1209600000) * interval '1 millisecond'
+          AND d.dead_at < v_now - coalesce(q.dead_retention_ms, 1209600000)
+              * interval '1 millisecond'
+        ORDER BY d.dead_at
+        LIMIT p_limit
+    ), gone AS (
+        DELETE FROM {schema}.dead_message d WHERE d.id IN (SELECT o.id FROM old o) RETURNING 1
+    )
+    SELECT count(*) INTO dead_pruned FROM gone;
+    IF pg_try_advisory_xact_lock(hashtextextended({lock_prefix} || 'counters', 0)) THEN
+        WITH gone AS (
+            DELETE FROM {schema}.counter RETURNING *
+        )
+        INSERT INTO {schema}.counter
+            (queue_id, enqueued, delivered, redelivered, acked, deferred, dead, expired, dropped)
+        SELECT g.queue_id, sum(g.enqueued), sum(g.delivered), sum(g.redelivered), sum(g.acked),
+               sum(g.deferred), sum(g.dead), sum(g.expired), sum(g.dropped)
+        FROM gone g
+        WHERE EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.id = g.queue_id)
+        GROUP BY g.queue_id;
+    END IF;
+END;
+$$;
+
+
+-- Security, as in migration 2: the entry points run as the schema's owner.
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
+ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_defer_v1(bigint, uuid, bigint, boolean, bytea)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_status_v1(boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_list_v1(text, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_list_v1(text, text, text, bigint, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_get_v1(bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_remove_v1(bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_retry_v1(bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.dead_purge_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_configure_v1(text, jsonb)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.housekeep_v1(integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+
+-- Roles granted a kind of rights before this migration get the new functions of their kind
+-- (see lonnymq.roles): a worker may dequeue with version 2, reject and housekeep; whoever may
+-- read queue counters may read the status; an admin may do the rest.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole::text AS role, p.proname
+        FROM pg_catalog.pg_proc p
+        CROSS JOIN LATERAL aclexplode(p.proacl) AS a
+        WHERE p.pronamespace = '{schema}'::regnamespace
+          AND p.proname IN ('message_dequeue_v1', 'queue_stats_v1', 'queue_purge_v1')
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner AND a.grantee <> 0
+    LOOP
+        IF r.proname = 'message_dequeue_v1' THEN
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %s, %s, %s TO %s',
+                '{schema}.message_dequeue_v2(text[], integer, bigint)'::regprocedure,
+                '{schema}.message_reject_v1(bigint, uuid, text)'::regprocedure,
+                '{schema}.housekeep_v1(integer)'::regprocedure, r.role);
+        ELSIF r.proname = 'queue_stats_v1' THEN
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s',
+                '{schema}.queue_status_v1(boolean)'::regprocedure, r.role);
+        ELSE
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %s, %s, %s, %s, %s, %s, %s TO %s',
+                '{schema}.channel_list_v1(text, integer)'::regprocedure,
+                '{schema}.message_list_v1(text, text, text, bigint, integer)'::regprocedure,
+                '{schema}.message_get_v1(bigint)'::regprocedure,
+                '{schema}.message_remove_v1(bigint[])'::regprocedure,
+                '{schema}.message_retry_v1(bigint[])'::regprocedure,
+                '{schema}.dead_purge_v1(text)'::regprocedure,
+                '{schema}.queue_configure_v1(text, jsonb)'::regprocedure, r.role);
+            EXECUTE format('GRANT SELECT ON %s, %s TO %s',
+                '{schema}.counter'::regclass, '{schema}.dead_message'::regclass, r.role);
+        END IF;
+    END LOOP;
+END;
+$$;
