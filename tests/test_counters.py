@@ -263,24 +263,12 @@ def test_channel_list_counters_order_and_limit(
         queue.channels(conn, limit=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=lonnymq.DatabaseError,
-    reason="channel_list_v1 returns served_at '-infinity' for a channel never served, which "
-    "psycopg cannot load as a datetime: Queue.channels raises DataError",
-)
 def test_channel_list_of_a_never_served_channel(queue: lonnymq.Queue, conn: Conn) -> None:
     queue.channel("fresh").message.create(conn, b"x")
     [channel] = queue.channels(conn)
     assert (channel.channel, channel.size, channel.served_at) == ("fresh", 1, None)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="expire_v1 (Broker.expire, the consumers' sweep) deletes messages past their time "
-    "to live without counting them: the 'expired' counter only counts those a dequeue drops",
-)
 def test_expire_counts_expired_messages(
     broker: lonnymq.Broker, queue: lonnymq.Queue, conn: Conn
 ) -> None:

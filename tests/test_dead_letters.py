@@ -556,15 +556,21 @@ def test_retried_dead_letter_takes_part_in_name_dedup(
     assert ch.message.create(conn, b"dup", name="job") == Deduplicated(retried.new_id)
 
     # while a never-dequeued message of the name waits, retrying a dead letter of the same
-    # name de-duplicates against it: nothing new is created and the dead letter goes
+    # name de-duplicates against it: nothing new is created, and the dead letter stays (its
+    # content is not lost) until the waiting one has been delivered
     got = one(queue.dequeue(conn, lock_ms=10_000))
     assert got.reject(conn) is Outcome.OK
     waiting = created(ch.message.create(conn, b"new", name="job"))
     [result] = broker.retry(conn, [got.id])
-    assert result == RetryResult(got.id, "retried", waiting)
-    assert broker.message(conn, got.id) is None
-    assert [m.id for m in broker.messages(conn, queue="default")] == [waiting]
+    assert result == RetryResult(got.id, "deduplicated", waiting)
+    kept = broker.message(conn, got.id)
+    assert kept is not None and kept.state == "dead" and kept.content == b"old"
+    assert [m.id for m in broker.messages(conn, queue="default")] == [got.id, waiting]
     assert ch.info(conn).size == 1
+    # once the waiting one was delivered, the retry goes through
+    assert one(queue.dequeue(conn, lock_ms=10_000)).delete(conn) is Outcome.OK
+    [result] = broker.retry(conn, [got.id])
+    assert result.result == "retried" and broker.message(conn, got.id) is None
     assert_channels_exact(conn, broker.schema)
 
 

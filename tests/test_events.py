@@ -178,7 +178,8 @@ def test_publish_consume_ack_requeue_reject(
         "message_id": ids[2],
         "queue": "evq",
         "channel": "evq",
-        "reason": "rejected",  # no attempts: the consumer does not know them for a reject
+        "reason": "rejected",
+        "attempts": 1,
     }
     assert f"lonnymq messages retry {ids[2]}" in dead.getMessage()
     # ... and it is there
@@ -411,7 +412,7 @@ def test_json_formatter_lines(
     assert "attempts" not in by_event["acked"][0]  # absent fields are left out, not null
     (dead,) = by_event["dead_lettered"]
     assert (dead["level"], dead["message_id"], dead["reason"]) == ("warning", two, "rejected")
-    assert "attempts" not in dead  # not known to the consumer for a reject
+    assert dead["attempts"] == 1
 
 
 def test_json_formatter_plain_records_and_exceptions() -> None:
@@ -439,11 +440,6 @@ def test_json_formatter_plain_records_and_exceptions() -> None:
     assert doc["exception"].startswith("Traceback")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="with dead_letter=False a reject without requeue deletes the message, yet the "
-    "WARNING event says it was dead-lettered and that `lonnymq messages retry ID` puts it back",
-)
 def test_reject_where_the_queue_keeps_no_dead_letters(
     make_connection: Callable[..., Connection],
     events: Callable[..., list[logging.LogRecord]],
@@ -469,3 +465,13 @@ def test_reject_where_the_queue_keeps_no_dead_letters(
         if fields(r).get("message_id") == ident and "messages retry" in r.getMessage()
     ]
     assert claims == []
+    (discarded,) = [r for r in events() if fields(r).get("event") == "discarded"]
+    assert discarded.levelno == logging.WARNING
+    assert fields(discarded) == {
+        "event": "discarded",
+        "message_id": ident,
+        "queue": "nq",
+        "channel": "nq",
+        "reason": "rejected",
+        "attempts": 1,
+    }

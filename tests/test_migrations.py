@@ -514,6 +514,7 @@ API_FUNCTIONS = {
     "channel_take_v1",
     "queue_retry_ms_v1",
     "message_dequeue_v1",
+    "message_dequeue_v2",
     "channel_release_v1",
     "message_delete_v1",
     "message_defer_v1",
@@ -524,6 +525,17 @@ API_FUNCTIONS = {
     "queue_purge_v1",
     "queue_delete_v1",
     "queue_stats_v1",
+    "message_bury_v1",
+    "message_reject_v1",
+    "queue_status_v1",
+    "channel_list_v1",
+    "message_list_v1",
+    "message_get_v1",
+    "message_remove_v1",
+    "message_retry_v1",
+    "dead_purge_v1",
+    "queue_configure_v1",
+    "housekeep_v1",
 }
 
 
@@ -576,6 +588,33 @@ def test_everything_works_with_an_empty_search_path(
     # nothing due: retry_ms
     empty = queue.dequeue(conn)
     assert not empty and empty.retry_ms is not None
+    # version 1 of dequeue (clients of schema version 2) still answers
+    assert conn.execute(
+        sql.SQL("SELECT count(*) FROM {}.message_dequeue_v1(ARRAY['default'], 1, 1000)").format(
+            sql.Identifier(schema)
+        )
+    ).fetchone() == (1,)
+
+    # dead letters: reject, max_attempts, list, show, retry, remove, settings, housekeeping
+    queue.configure(conn, max_attempts=1, dead_retention_ms=60_000)
+    a.message.create(conn, b"bad")
+    bad = queue.dequeue(conn, lock_ms=60_000).messages[0]
+    assert bad.reject(conn, reason="test") is Outcome.OK
+    b.message.create(conn, b"poison")
+    poison = queue.dequeue(conn, lock_ms=1).messages[0]
+    time.sleep(0.01)
+    assert [d.id for d in queue.dequeue(conn, lock_ms=60_000).dead] == [poison.id]
+    assert {m.id for m in broker.messages(conn, state="dead")} == {bad.id, poison.id}
+    assert broker.message(conn, bad.id) is not None
+    assert broker.status(conn)[0].dead == 2
+    assert queue.channels(conn) != []
+    retried = broker.retry(conn, [bad.id])
+    assert [r.result for r in retried] == ["retried"] and retried[0].new_id is not None
+    back = retried[0].new_id
+    assert broker.remove(conn, [poison.id, back]) == {poison.id: "deleted", back: "deleted"}
+    assert broker.housekeep(conn) == 0
+    assert queue.purge_dead(conn) == 0
+    queue.configure(conn, max_attempts=None)
 
     # policies: a full channel drops, a saturated one waits
     a.policy.set(conn, max_concurrency=1, max_size=1)
@@ -619,8 +658,8 @@ def test_everything_works_with_an_empty_search_path(
         ("DROP FUNCTION {s}.message_create_v1", "create"),
         ("DROP FUNCTION {s}.channel_lock_v1", "create"),  # called by message_create_v1
         ("DROP TABLE {s}.message CASCADE", "create"),
-        ("DROP FUNCTION {s}.message_dequeue_v1", "dequeue"),
-        ("DROP FUNCTION {s}.channel_take_v1", "dequeue"),  # called by message_dequeue_v1
+        ("DROP FUNCTION {s}.message_dequeue_v2", "dequeue"),
+        ("DROP FUNCTION {s}.channel_take_v1", "dequeue"),  # called by message_dequeue_v2
         ("DROP FUNCTION {s}.message_delete_v1", "delete"),
     ],
 )

@@ -267,12 +267,12 @@ def _describe(plan: Plan) -> str:
 # fragments of their text as auto_explain reports it), so that the checks below cannot pass
 # by capturing nothing.
 EXPECTED_STATEMENTS = {
-    "message_dequeue_v1 (queues)": "array_agg(q.id)",
-    "message_dequeue_v1 (expired locks)": "WITH relocked AS",
-    "message_dequeue_v1 (channels whose turn it is)": "CROSS JOIN LATERAL",
-    "message_dequeue_v1 (take from a channel)": "channel_take_v1(v_channels[i].id",
-    "message_dequeue_v1 (lock the taken messages)": "WHERE m.id = ANY (v_batch)",
-    "message_dequeue_v1 (result rows)": "FROM unnest(v_ids, v_ranks, v_orders)",
+    "message_dequeue_v2 (queues)": "array_agg(q.id)",
+    "message_dequeue_v2 (expired locks)": "WITH relocked AS",
+    "message_dequeue_v2 (channels whose turn it is)": "CROSS JOIN LATERAL",
+    "message_dequeue_v2 (take from a channel)": "channel_take_v1(v_channels[i].id",
+    "message_dequeue_v2 (lock the taken messages)": "WHERE m.id = ANY (v_batch)",
+    "message_dequeue_v2 (result rows)": "FROM unnest(v_ids, v_ranks, v_orders)",
     "channel_take_v1": "m.priority = v_priority AND m.dequeue_at <= p_now",
     "channel_next_due_v1": "SELECT m.priority, m.dequeue_at",
     "channel_store_v1": ".channel SET current_size = p_new.current_size",
@@ -371,7 +371,7 @@ def _cycle(broker: lonnymq.Broker, conn: Conn, recorder: Recorder) -> tuple[int,
     message = broker.dequeue(conn, ["default"], limit=1, lock_ms=60_000).messages[0]
     assert message.delete(conn) is Outcome.OK
     plans = recorder.take()
-    tops = [p for p in plans if "message_dequeue_v1(" in p.text or "message_delete_v1(" in p.text]
+    tops = [p for p in plans if "message_dequeue_v2(" in p.text or "message_delete_v1(" in p.text]
     assert len(tops) == 2, [p.text for p in tops]
     return (
         sum(p.buffers for p in tops),

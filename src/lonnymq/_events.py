@@ -7,7 +7,8 @@ Log events carry their fields as attributes of the log record (``record.event``,
 ``record.reason`` where they apply), so a JSON formatter (:class:`lonnymq.logs.JsonFormatter`)
 or any structured-logging handler picks them up. Levels: DEBUG for the steady flow
 (enqueued, dequeued, acked, deferred), WARNING for what someone should look at (redelivered
-after a lock expired, dead-lettered, channel full).
+after a lock expired, dead-lettered, discarded (given up on where the queue keeps no dead
+letters), channel full).
 
 Metrics are per process, in ``prometheus_client``'s default registry: expose them with
 ``prometheus_client.start_http_server(port)`` or the ``metrics_port`` transport option.
@@ -63,6 +64,11 @@ class _Metrics:
         self.dead = c(
             "lonnymq_client_messages_dead_lettered",
             "Messages this process sent to the dead letters (or saw dead-lettered at dequeue)",
+            ["queue", "reason"],
+        )
+        self.discarded = c(
+            "lonnymq_client_messages_discarded",
+            "Messages given up on and dropped because their queue keeps no dead letters",
             ["queue", "reason"],
         )
         self.dequeue = prometheus_client.Histogram(
@@ -223,29 +229,56 @@ def deferred(message_id: int, queue: str | None, channel: str | None, why: str) 
 
 
 def dead_lettered(
-    message_id: int, queue: str | None, channel: str | None, reason: str, attempts: int | None
+    message_id: int,
+    queue: str | None,
+    channel: str | None,
+    reason: str,
+    attempts: int | None,
+    *,
+    kept: bool = True,
 ) -> None:
+    """A message given up on: moved to the dead letters (``kept``), or dropped where its
+    queue keeps none (event ``discarded``)."""
     m = metrics()
     if m is not None and queue is not None:
-        m.dead.labels(queue, reason).inc()
-    _log(
-        logging.WARNING,
-        "dead_lettered",
-        "dead-lettered message %d: %s after %s attempt(s) (queue=%s channel=%s); "
-        "`lonnymq messages show %d` shows it, `lonnymq messages retry %d` puts it back",
-        message_id,
-        reason,
-        "?" if attempts is None else attempts,
-        queue,
-        channel,
-        message_id,
-        message_id,
-        message_id=message_id,
-        queue=queue,
-        channel=channel,
-        reason=reason,
-        attempts=attempts,
-    )
+        (m.dead if kept else m.discarded).labels(queue, reason).inc()
+    tries = "?" if attempts is None else attempts
+    if kept:
+        _log(
+            logging.WARNING,
+            "dead_lettered",
+            "dead-lettered message %d: %s after %s attempt(s) (queue=%s channel=%s); "
+            "`lonnymq messages show %d` shows it, `lonnymq messages retry %d` puts it back",
+            message_id,
+            reason,
+            tries,
+            queue,
+            channel,
+            message_id,
+            message_id,
+            message_id=message_id,
+            queue=queue,
+            channel=channel,
+            reason=reason,
+            attempts=attempts,
+        )
+    else:
+        _log(
+            logging.WARNING,
+            "discarded",
+            "discarded message %d: %s after %s attempt(s) (queue=%s channel=%s keeps no dead "
+            "letters)",
+            message_id,
+            reason,
+            tries,
+            queue,
+            channel,
+            message_id=message_id,
+            queue=queue,
+            channel=channel,
+            reason=reason,
+            attempts=attempts,
+        )
 
 
 def dequeue_time(seconds: float) -> None:

@@ -27,13 +27,14 @@ import argparse
 import base64
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 
@@ -67,6 +68,12 @@ def _connect(args: argparse.Namespace) -> psycopg.Connection[Any]:
         raise SystemExit(
             f"lonnymq: cannot connect to the database: {mask_password(str(exc)).strip()}"
         ) from None
+
+
+def _usage(message: str) -> NoReturn:
+    """A usage error found after parsing: exit 2, as argparse does."""
+    print(f"lonnymq: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def _style(args: argparse.Namespace) -> _term.Style:
@@ -259,6 +266,9 @@ def _read_status(
     if args.queues:
         wanted = set(args.queues)
         statuses = [s for s in statuses if s.queue in wanted]
+        missing = sorted(wanted - {s.queue for s in statuses})
+        if missing:
+            print(f"lonnymq: no such queue: {', '.join(missing)}", file=sys.stderr)
     elif not args.all:
         statuses = [s for s in statuses if not _is_internal(s)]
     return statuses, now
@@ -302,16 +312,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         broker.check(conn)
         statuses, now = _read_status(conn, broker, args)
+    code = 1 if args.queues and len(statuses) < len(set(args.queues)) else 0
     if args.json:
         _print_json([_status_dict(s, now) for s in statuses])
-        return 0
+        return code
     style = _style(args)
     if not statuses:
-        print("no queues" if not args.queues else "no such queue")
-        return 0 if not args.queues else 1
+        if not args.queues:
+            print("no queues")
+        return code
     rows = [_status_row(s, now, style) for s in statuses]
     print(_term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 7))))
-    return 0
+    return code
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
@@ -401,6 +413,7 @@ def cmd_top(args: argparse.Namespace) -> int:
                 else:
                     rows = []
                     totals = [0.0, 0.0, 0.0, 0.0]
+                    ready = sum(s.ready or 0 for s in statuses)
                     for s in statuses:
                         rates = _rates(s, before, elapsed)
                         for i, r in enumerate(rates):
@@ -413,7 +426,7 @@ def cmd_top(args: argparse.Namespace) -> int:
                     )
                     summary = (
                         f"{len(statuses)} queue(s)  "
-                        f"ready {_term.number(sum(s.ready or 0 for s in statuses))}  "
+                        f"ready {_term.number(None if args.no_count else ready)}  "
                         f"in flight {_term.number(sum(s.in_flight for s in statuses))}  "
                         f"dead {_term.number(sum(s.dead for s in statuses))}  "
                         + (
@@ -506,13 +519,14 @@ def cmd_queue(args: argparse.Namespace) -> int:
             if args.dead_retention is not None:
                 changes["dead_retention_ms"] = args.dead_retention
             if not changes:
-                raise SystemExit(
-                    "lonnymq queue set: nothing to change (--max-attempts, --dead-letter, "
-                    "--dead-retention)"
+                _usage(
+                    "queue set: nothing to change (--max-attempts, --dead-letter, --dead-retention)"
                 )
             queue.configure(conn, **changes)
         settings = queue.settings(conn)
         policy = queue.policy.get(conn)
+        if args.queue not in broker.queues(conn):
+            print(f"queue {args.queue!r} does not exist yet: its defaults", file=sys.stderr)
     shown = {
         "queue": args.queue,
         "dead_letter": settings.dead_letter,
@@ -568,18 +582,21 @@ def cmd_messages_list(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         broker.check(conn)
         after = args.after
-        while True:
+        more = False
+        if args.all:
+            while True:
+                page = broker.messages(conn, **_list_filters(args), after=after, limit=1000)
+                out.extend(page)
+                if len(page) < 1000:
+                    break
+                after = page[-1].id
+        else:  # one more than asked for, to know whether a next page exists
             page = broker.messages(
-                conn, **_list_filters(args), after=after, limit=min(args.limit, 1000)
+                conn, **_list_filters(args), after=after, limit=min(args.limit + 1, 10_000)
             )
-            out.extend(page)
-            if not args.all or len(page) < min(args.limit, 1000):
-                break
-            after = page[-1].id
-        if not args.all:
-            out = out[: args.limit]
+            more = len(page) > args.limit
+            out = page[: args.limit]
         now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
-    more = not args.all and len(out) == args.limit
     if args.json:
         _print_json([_message_dict(m) for m in out])
         if more:
@@ -694,10 +711,10 @@ def cmd_messages_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bulk_ids(
+def _bulk(
     conn: psycopg.Connection[Any], broker: Broker, args: argparse.Namespace, state: str | None
-) -> list[int]:
-    ids: list[int] = []
+) -> list[MessageInfo]:
+    found: list[MessageInfo] = []
     after = 0
     while True:
         page = broker.messages(
@@ -708,9 +725,9 @@ def _bulk_ids(
             after=after,
             limit=1000,
         )
-        ids.extend(m.id for m in page)
+        found.extend(page)
         if len(page) < 1000:
-            return ids
+            return found
         after = page[-1].id
 
 
@@ -724,18 +741,22 @@ def _targets(
     """The ids given, or with --all those matching the filters (after a confirmation)."""
     if args.ids:
         if args.all:
-            raise SystemExit(f"lonnymq messages {verb}: give ids or --all, not both")
+            _usage(f"messages {verb}: give ids or --all, not both")
         return list(dict.fromkeys(args.ids))
     if not args.all:
-        raise SystemExit(f"lonnymq messages {verb}: give message ids, or --queue Q --all")
+        _usage(f"messages {verb}: give message ids, or --queue Q --all")
     if not args.queue:
-        raise SystemExit(f"lonnymq messages {verb} --all needs --queue")
+        _usage(f"messages {verb} --all needs --queue")
     state = args.state or default_state
-    ids = _bulk_ids(conn, broker, args, state)
-    if not ids:
+    found = _bulk(conn, broker, args, state)
+    if not found:
         return []
+    ids = [m.id for m in found]
     what = f"{len(ids):,} {state or ''} message(s)".replace("  ", " ")
     where = f"queue {args.queue!r}" + (f" channel {args.channel!r}" if args.channel else "")
+    held = sum(1 for m in found if m.state == "locked")
+    if held and verb == "delete":
+        where += f", {held:,} of them held by consumers now (their acks will find them gone)"
     if not _confirm(f"{verb} {what} of {where}?", args):
         print("nothing done", file=sys.stderr)
         return None
@@ -794,8 +815,10 @@ def cmd_messages_retry(args: argparse.Namespace) -> int:
         if len(results) > 50:
             print(f"... {len(results) - 50:,} more")
         print(", ".join(f"{n:,} {what}" for what, n in sorted(counts.items())) or "nothing")
-    failed = [r for r in results if r.result in ("not_found", "channel_full", "locked")]
-    return 1 if failed and args.ids else 0
+    failed = [
+        r for r in results if r.result in ("not_found", "channel_full", "locked", "deduplicated")
+    ]
+    return 1 if failed else 0
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
@@ -1023,6 +1046,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="lonnymq: %(message)s")
     try:
         code: int = args.func(args)
     except (LonnyMQError, InvalidArgument) as exc:

@@ -20,6 +20,7 @@ Needs ``prometheus_client`` (``pip install 'lonnymq[metrics]'``).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +41,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ConfigurationError(
         "lonnymq metrics need prometheus_client: pip install 'lonnymq[metrics]'"
     ) from exc
+
+logger = logging.getLogger("lonnymq.metrics")
 
 _COUNTERS = (
     ("enqueued", "Messages created"),
@@ -91,10 +94,16 @@ class DatabaseCollector(Collector):
             with self._lock:
                 statuses, now = self._read()
         except (psycopg.Error, LonnyMQError, OSError) as exc:
-            self.last_error = mask_password(str(exc))
+            error = mask_password(str(exc)).strip()
+            if error != self.last_error:
+                logger.warning("cannot read the database: %s", error)
+            self.last_error = error
             up.add_metric([], 0)
             yield up
             return
+        if self.last_error is not None:
+            logger.warning("reading the database again")
+            self.last_error = None
         up.add_metric([], 1)
         yield up
         messages = GaugeMetricFamily(

@@ -74,7 +74,7 @@ from .queue._ops import Op, async_commit, run
 from .queue.admin import delete_queue_op, purge_op, stats_op
 from .queue.dequeue import DequeueResult, dequeue_op
 from .queue.finalize import defer_op, delete_op
-from .queue.operate import configure_op, reject_op, status_op
+from .queue.operate import configure_op, keeps_dead_letters_op, reject_op
 from .queue.routing import (
     all_bindings_op,
     bind_op,
@@ -93,6 +93,8 @@ from .queue.routing import (
 logger = logging.getLogger("lonnymq.transport")
 
 Held = tuple[int, uuid.UUID]
+#: where a delivered message came from: (queue, channel, attempts)
+Where = tuple[str, str, int]
 T = TypeVar("T")
 
 
@@ -104,10 +106,10 @@ class QoS(virtual.QoS):
     def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
         self._held: dict[str, Held] = {}
-        self._where: dict[str, tuple[str, str]] = {}
+        self._where: dict[str, Where] = {}
         self._held_lock = threading.Lock()
 
-    def hold(self, delivery_tag: str, ref: Held, where: tuple[str, str] | None = None) -> None:
+    def hold(self, delivery_tag: str, ref: Held, where: Where | None = None) -> None:
         with self._held_lock:
             self._held[delivery_tag] = ref
             if where is not None:
@@ -122,7 +124,7 @@ class QoS(virtual.QoS):
             self._where.pop(delivery_tag, None)
             return self._held.pop(delivery_tag, None)
 
-    def _release_where(self, delivery_tag: str) -> tuple[Held | None, tuple[str, str] | None]:
+    def _release_where(self, delivery_tag: str) -> tuple[Held | None, Where | None]:
         with self._held_lock:
             return self._held.pop(delivery_tag, None), self._where.pop(delivery_tag, None)
 
@@ -143,7 +145,7 @@ class QoS(virtual.QoS):
         full = self._window_full()
         transport = self.channel.connection
         if ref is not None:
-            queue, lane = where if where is not None else (None, None)
+            queue, lane, _ = where if where is not None else (None, None, None)
             if why == "ack":
                 _events.acked(ref[0], queue, lane)
             elif requeue:
@@ -225,9 +227,7 @@ class Channel(virtual.Channel):
             cache[exchange] = found
         return cache[exchange]
 
-    def _finalize(
-        self, ref: Held, *, requeue: bool, why: str, where: tuple[str, str] | None = None
-    ) -> None:
+    def _finalize(self, ref: Held, *, requeue: bool, why: str, where: Where | None = None) -> None:
         """Ack (delete), requeue (defer in place) or, for a reject without requeue, move the
         message to the dead letters."""
         schema = self.options.schema
@@ -239,8 +239,9 @@ class Channel(virtual.Channel):
             op = reject_op(schema, ref[0], ref[1], reason="rejected")
         outcome = self._consume(op)
         if outcome is Outcome.OK and not requeue and why != "ack":
-            queue, lane = where if where is not None else (None, None)
-            _events.dead_lettered(ref[0], queue, lane, "rejected", None)
+            queue, lane, attempts = where if where is not None else (None, None, None)
+            kept = queue is None or self._keeps_dead_letters(queue)
+            _events.dead_lettered(ref[0], queue, lane, "rejected", attempts, kept=kept)
         if outcome is not Outcome.OK:
             logger.warning(
                 "lonnymq: %s of message %d ignored: %s (its lock expired and it was "
@@ -444,7 +445,11 @@ class Channel(virtual.Channel):
         _events.dequeued(
             message.id, message.queue, message.channel, message.attempts, message.lock_expired
         )
-        self.qos.hold(tag, (message.id, message.lock_token), (message.queue, message.channel))
+        self.qos.hold(
+            tag,
+            (message.id, message.lock_token),
+            (message.queue, message.channel, message.attempts),
+        )
         msg = self.Message(payload, channel=self)
         self.qos.append(msg, tag)
         return msg
@@ -458,7 +463,9 @@ class Channel(virtual.Channel):
             message.id, message.queue, message.channel, message.attempts, message.lock_expired
         )
         self.qos.hold(
-            self._tag(message), (message.id, message.lock_token), (message.queue, message.channel)
+            self._tag(message),
+            (message.id, message.lock_token),
+            (message.queue, message.channel, message.attempts),
         )
         return self._payload(message)
 
@@ -467,7 +474,7 @@ class Channel(virtual.Channel):
         started = time.perf_counter()
         result: DequeueResult = self._consume(op)
         _events.dequeue_time(time.perf_counter() - started)
-        _report_dead(result)
+        self._report_dead(result)
         return result
 
     @staticmethod
@@ -502,7 +509,7 @@ class Channel(virtual.Channel):
             self.connection.acks.take(), then=self.connection.consumer_op(op)
         )
         _events.dequeue_time(time.perf_counter() - started)
-        _report_dead(result)
+        self._report_dead(result)
         if not result.messages:
             return 0, result.retry_ms
         batch = self._decodable(result.messages)
@@ -521,7 +528,7 @@ class Channel(virtual.Channel):
                 self.qos.hold(
                     self._tag(message),
                     (message.id, message.lock_token),
-                    (message.queue, message.channel),
+                    (message.queue, message.channel, message.attempts),
                 )
         delivered = 0
         acks = self.connection.acks
@@ -574,10 +581,21 @@ class Channel(virtual.Channel):
         self._run(defer_op(schema, message.id, message.lock_token, delay_ms=3_600_000))
 
     def _keeps_dead_letters(self, queue: str) -> bool:
-        for status in self._run(status_op(self.options.schema, count_ready=False)):
-            if status.queue == queue:
-                return bool(status.settings.dead_letter)
-        return True
+        try:
+            return bool(self._run(keeps_dead_letters_op(self.options.schema, queue)))
+        except LonnyMQError:
+            return True
+
+    def _report_dead(self, result: DequeueResult) -> None:
+        for dead in result.dead:
+            _events.dead_lettered(
+                dead.id,
+                dead.queue,
+                dead.channel,
+                "max_attempts",
+                dead.attempts,
+                kept=self._keeps_dead_letters(dead.queue),
+            )
 
     def _restore(self, message: Any) -> None:
         ref = self.qos._release(message.delivery_tag)
@@ -799,8 +817,3 @@ def _client_conninfo(client: Any) -> str:
         client.password() if callable(client.password) else client.password,
         None if vhost in (None, "", "/") else vhost,
     )
-
-
-def _report_dead(result: DequeueResult) -> None:
-    for dead in result.dead:
-        _events.dead_lettered(dead.id, dead.queue, dead.channel, "max_attempts", dead.attempts)

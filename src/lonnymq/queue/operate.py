@@ -31,6 +31,7 @@ _DEAD_PURGE: LiteralString = "SELECT {schema}.dead_purge_v1(%s::text)"
 _CONFIGURE: LiteralString = "SELECT {schema}.queue_configure_v1(%s::text, %s::jsonb)"
 _REJECT: LiteralString = "SELECT {schema}.message_reject_v1(%s::bigint, %s::uuid, %s::text)"
 _HOUSEKEEP: LiteralString = "SELECT {schema}.housekeep_v1(%s::integer)"
+_KEEPS_DEAD: LiteralString = "SELECT q.dead_letter FROM {schema}.queue q WHERE q.name = %s::text"
 
 #: Most ids one call of delete or retry takes.
 MAX_IDS = 10_000
@@ -265,8 +266,9 @@ def remove_op(schema: str, ids: object) -> Op[dict[int, str]]:
 @dataclass(frozen=True, slots=True)
 class RetryResult:
     """``retried`` (a dead letter is back in its queue as ``new_id``), ``due_now`` (a delayed
-    message), ``ready`` (nothing to do), ``locked`` (held by a consumer), ``channel_full``
-    (the dead letter stays) or ``not_found``."""
+    message), ``ready`` (nothing to do), ``locked`` (held by a consumer), ``channel_full`` or
+    ``deduplicated`` (a never-delivered message of the same name waits: ``new_id``; the dead
+    letter stays in both cases) or ``not_found``."""
 
     id: int
     result: str
@@ -342,3 +344,12 @@ def housekeep_op(schema: str, *, limit: int = 10_000) -> Op[int]:
         return int(rows[0][0])
 
     return Op(schema, render(_HOUSEKEEP, schema), (count,), parse)
+
+
+def keeps_dead_letters_op(schema: str, queue: str) -> Op[bool]:
+    """Whether ``queue`` keeps dead letters (True for a queue not created yet: the default)."""
+
+    def parse(rows: Rows) -> bool:
+        return bool(rows[0][0]) if rows else True
+
+    return Op(schema, render(_KEEPS_DEAD, schema), (_checks.name(queue, "queue"),), parse)

@@ -1347,6 +1347,7 @@ BEGIN
         messages := messages + v_n;
         v_new := v_old;
         v_new.current_size := v_old.current_size - v_n;
+        v_new.n_expired := v_old.n_expired + v_n;
         PERFORM {schema}.channel_store_v1(v_old, v_new, true);
     END LOOP;
     FOR v_queue IN
@@ -1430,7 +1431,7 @@ RETURNS TABLE (
 )
 LANGUAGE sql STABLE AS $$
     SELECT c.name, c.current_size, c.current_concurrency, c.max_concurrency, c.max_size,
-           c.has_policy, c.waiting_since, c.served_at, c.n_enqueued, c.n_delivered, c.n_acked,
+           c.has_policy, c.waiting_since, nullif(c.served_at, '-infinity'), c.n_enqueued, c.n_delivered, c.n_acked,
            c.n_deferred, c.n_dead, c.n_expired, c.n_dropped
     FROM {schema}.channel c
     JOIN {schema}.queue q ON q.id = c.queue_id
@@ -1566,8 +1567,9 @@ $$;
 
 -- Retry messages by id: a dead letter goes back to its queue and channel as a new message
 -- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now').
--- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' (the
--- dead letter stays), 'not_found'.
+-- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' or
+-- 'deduplicated' (a never-delivered message of the same name waits, new_id; the dead letter
+-- stays in both cases), 'not_found'.
 CREATE FUNCTION {schema}.message_retry_v1(p_ids bigint[])
 RETURNS TABLE (message_id bigint, result_code text, new_id bigint)
 LANGUAGE plpgsql AS $$
@@ -1592,6 +1594,11 @@ BEGIN
             IF v_code = 'dropped' THEN
                 INSERT INTO {schema}.dead_message SELECT (v_dead).*;
                 result_code := 'channel_full';
+            ELSIF v_code = 'deduplicated' THEN
+                -- a never-delivered message of that name waits: the dead letter stays
+                INSERT INTO {schema}.dead_message SELECT (v_dead).*;
+                result_code := 'deduplicated';
+                new_id := v_new_id;
             ELSE
                 IF v_code = 'created' AND v_dead.state IS NOT NULL THEN
                     UPDATE {schema}.message m SET state = v_dead.state WHERE m.id = v_new_id;

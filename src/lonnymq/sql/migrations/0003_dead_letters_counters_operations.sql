@@ -778,7 +778,7 @@ RETURNS TABLE (
 )
 LANGUAGE sql STABLE AS $$
     SELECT c.name, c.current_size, c.current_concurrency, c.max_concurrency, c.max_size,
-           c.has_policy, c.waiting_since, c.served_at, c.n_enqueued, c.n_delivered, c.n_acked,
+           c.has_policy, c.waiting_since, nullif(c.served_at, '-infinity'), c.n_enqueued, c.n_delivered, c.n_acked,
            c.n_deferred, c.n_dead, c.n_expired, c.n_dropped
     FROM {schema}.channel c
     JOIN {schema}.queue q ON q.id = c.queue_id
@@ -914,8 +914,9 @@ $$;
 
 -- Retry messages by id: a dead letter goes back to its queue and channel as a new message
 -- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now').
--- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' (the
--- dead letter stays), 'not_found'.
+-- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' or
+-- 'deduplicated' (a never-delivered message of the same name waits, new_id; the dead letter
+-- stays in both cases), 'not_found'.
 CREATE FUNCTION {schema}.message_retry_v1(p_ids bigint[])
 RETURNS TABLE (message_id bigint, result_code text, new_id bigint)
 LANGUAGE plpgsql AS $$
@@ -940,6 +941,11 @@ BEGIN
             IF v_code = 'dropped' THEN
                 INSERT INTO {schema}.dead_message SELECT (v_dead).*;
                 result_code := 'channel_full';
+            ELSIF v_code = 'deduplicated' THEN
+                -- a never-delivered message of that name waits: the dead letter stays
+                INSERT INTO {schema}.dead_message SELECT (v_dead).*;
+                result_code := 'deduplicated';
+                new_id := v_new_id;
             ELSE
                 IF v_code = 'created' AND v_dead.state IS NOT NULL THEN
                     UPDATE {schema}.message m SET state = v_dead.state WHERE m.id = v_new_id;
@@ -1056,6 +1062,54 @@ END;
 $$;
 
 
+-- Delete expired messages (not held by a consumer) and queues unused for longer than their
+-- x-expires, at most p_limit messages a call. Returns (messages, queues) deleted.
+CREATE OR REPLACE FUNCTION {schema}.expire_v1(p_limit integer, OUT messages bigint, OUT queues bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_old {schema}.channel;
+    v_new {schema}.channel;
+    v_n bigint;
+    v_queue text;
+BEGIN
+    messages := 0;
+    queues := 0;
+    -- channels first, then their messages: the lock order of dequeue
+    FOR v_old IN
+        SELECT c.* FROM {schema}.channel c
+        WHERE c.id IN (
+            SELECT DISTINCT m.channel_id FROM (
+                SELECT m.channel_id FROM {schema}.message m
+                WHERE m.expires_at <= v_now
+                ORDER BY m.expires_at LIMIT p_limit
+            ) AS m
+        )
+        ORDER BY c.id
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        DELETE FROM {schema}.message m
+        WHERE m.channel_id = v_old.id AND m.expires_at <= v_now AND m.locked_until IS NULL;
+        GET DIAGNOSTICS v_n = ROW_COUNT;
+        CONTINUE WHEN v_n = 0;
+        messages := messages + v_n;
+        v_new := v_old;
+        v_new.current_size := v_old.current_size - v_n;
+        v_new.n_expired := v_old.n_expired + v_n;
+        PERFORM {schema}.channel_store_v1(v_old, v_new, true);
+    END LOOP;
+    FOR v_queue IN
+        SELECT q.name FROM {schema}.queue q
+        WHERE q.expires_ms IS NOT NULL
+          AND q.used_at < v_now - q.expires_ms * interval '1 millisecond'
+        ORDER BY q.name
+    LOOP
+        PERFORM {schema}.queue_delete_v1(v_queue);
+        queues := queues + 1;
+    END LOOP;
+END;
+$$;
+
 -- Security, as in migration 2: the entry points run as the schema's owner.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
 ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
@@ -1065,6 +1119,8 @@ ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
 ALTER FUNCTION {schema}.message_defer_v1(bigint, uuid, bigint, boolean, bytea)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.queue_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.expire_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
