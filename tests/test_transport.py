@@ -716,7 +716,35 @@ def test_undecodable_message_is_put_aside(
     with connection.Consumer(queue, callbacks=[on_message]):
         drain(connection, lambda: received == ["good"])
     assert f"message {bad.id} in queue 'garbage' is not a kombu message" in caplog.text
-    stats = lonnymq.Broker(schema).queue("garbage").stats(conn)
+    broker = lonnymq.Broker(schema)
+    stats = broker.queue("garbage").stats(conn)
+    assert stats.total == 0  # out of the way: not redelivered again and again
+    # kept, not lost: a dead letter a person can look at
+    [dead] = broker.messages(conn, queue="garbage", state="dead")
+    assert (dead.id, dead.reason) == (bad.id, "undecodable")
+    shown = broker.message(conn, bad.id)
+    assert shown is not None and shown.content == b"\xff not json"
+
+
+def test_undecodable_message_where_no_dead_letters_are_kept_waits_an_hour(
+    connection: Connection, conn: Conn, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    broker = lonnymq.Broker(schema)
+    queue = Queue("garbage")
+    queue(connection.default_channel).declare()  # installs the schema
+    broker.queue("garbage").configure(conn, dead_letter=False)
+    bad = broker.queue("garbage").channel("garbage").message.create(conn, b"\xff not json")
+    assert isinstance(bad, lonnymq.Created)
+    connection.Producer().publish("good", routing_key="garbage")
+    received: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]):
+        drain(connection, lambda: received == ["good"])
+    stats = broker.queue("garbage").stats(conn)
     assert (stats.total, stats.delayed) == (1, 1)  # kept, not lost, not redelivered at once
 
 

@@ -193,6 +193,8 @@ def test_nasty_names_are_just_data(
     assert [t[0] for t in tables] == [
         "binding",
         "channel",
+        "counter",
+        "dead_message",
         "exchange",
         "message",
         "migration",

@@ -147,8 +147,8 @@ def _confirm(question: str, args: argparse.Namespace) -> bool:
     sys.stderr.write(f"{question} [y/N] ")
     sys.stderr.flush()
     answer = sys.stdin.readline()
-    if not answer:
-        sys.stderr.write("\n")
+    if not answer or not sys.stdin.isatty():
+        sys.stderr.write(answer.strip() + "\n")  # an answer from a pipe: show it
     return answer.strip().lower() in ("y", "yes")
 
 
@@ -223,6 +223,8 @@ def _print(data: dict[str, Any], as_json: bool) -> None:
         return
     width = max(len(k) for k in data)
     for key, value in data.items():
+        if isinstance(value, dict):
+            value = "  ".join(f"{k}={'-' if v is None else v}" for k, v in value.items())
         print(f"{key.ljust(width)}  {'-' if value is None else value}")
 
 
@@ -431,7 +433,7 @@ def cmd_top(args: argparse.Namespace) -> int:
                         f"dead {_term.number(sum(s.dead for s in statuses))}  "
                         + (
                             f"enq/s {_term.rate(totals[0])}  deliv/s {_term.rate(totals[1])}  "
-                            f"ack/s {_term.rate(totals[2])}"
+                            f"ack/s {_term.rate(totals[2])}  dead/s {_term.rate(totals[3])}"
                             if elapsed
                             else "rates after the next refresh"
                         )

@@ -37,7 +37,7 @@ Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``batch_size`` (100), ``auto_install`` (True), ``max_message_bytes`` (8 MiB),
 ``expire_interval`` (10 s), ``consumer_commit`` (``"async"``), ``connect_timeout``,
 ``policies`` (channel policies and queue settings declared in configuration, applied when a
-process first connects), ``metrics_port`` (serve this process's Prometheus metrics).
+process first connects), ``metrics_port`` (serve the consuming process's Prometheus metrics).
 Log events: the ``lonnymq.events`` logger (see :mod:`lonnymq.logs`).
 See :class:`lonnymq._options.Options` and ``docs/transport.md``. Unknown options are errors.
 """
@@ -91,6 +91,8 @@ from .queue.routing import (
 )
 
 logger = logging.getLogger("lonnymq.transport")
+_APPLIED: set[tuple[int, str, str, str]] = set()
+_APPLIED_LOCK = threading.Lock()
 
 Held = tuple[int, uuid.UUID]
 #: where a delivered message came from: (queue, channel, attempts)
@@ -101,7 +103,7 @@ T = TypeVar("T")
 class QoS(virtual.QoS):
     """Prefetch accounting plus the lock of every delivered, unacked message: ack deletes the
     row, reject with requeue (and restore at shutdown) unlocks it, reject without requeue
-    deletes it. Acks may come from any thread."""
+    moves it to the dead letters. Acks may come from any thread."""
 
     def __init__(self, channel: Channel, prefetch_count: int = 0) -> None:
         super().__init__(channel, prefetch_count)
@@ -419,6 +421,10 @@ class Channel(virtual.Channel):
     # -- consume ----------------------------------------------------------------------------
 
     def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if self.options.metrics_port is not None:
+            # served by the process that consumes (a Celery worker's main process), not by
+            # every process that publishes (its pool processes)
+            _events.serve_metrics(self.options.metrics_port)
         if no_ack:
             self._no_ack_queues.add(queue)
         else:
@@ -690,10 +696,13 @@ class Transport(virtual.Transport):
 
     def establish_connection(self) -> Any:
         self.pg.connection()
-        if self.options.metrics_port is not None:
-            _events.serve_metrics(self.options.metrics_port)
         if self.options.policies and not self._policies_applied:
-            self._apply_policies(self.options.policies)
+            # once per process and database: Celery opens several connections
+            key = (os.getpid(), self.conninfo, self.options.schema, repr(self.options.policies))
+            with _APPLIED_LOCK:
+                if key not in _APPLIED:
+                    self._apply_policies(self.options.policies)
+                    _APPLIED.add(key)
             self._policies_applied = True
         return super().establish_connection()
 
