@@ -1744,7 +1744,7 @@ ALTER FUNCTION {schema}.queue_purge_v1(text)
 ALTER FUNCTION {schema}.queue_delete_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.queue_stats_v1(text, boolean)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.exchange_declare_v1(text, text, boolean, boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.exchange_delete_v1(text)
@@ -1764,20 +1764,20 @@ ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
 ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.queue_status_v1(boolean)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.channel_list_v1(text, integer)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_list_v1(text, text, text, bigint, integer)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_get_v1(bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_remove_v1(bigint[])
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_retry_v1(bigint[])
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.dead_purge_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.queue_configure_v1(text, jsonb)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.housekeep_v1(integer)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
