@@ -656,7 +656,7 @@ def test_everything_works_with_an_empty_search_path(
     ("damage", "operation"),
     [
         ("DROP FUNCTION {s}.message_create_v1", "create"),
-        ("DROP FUNCTION {s}.channel_lock_v1", "create"),  # called by message_create_v1
+        ("DROP FUNCTION {s}.channel_lock_v1", "create new"),  # message_create_v1, new channel
         ("DROP TABLE {s}.message CASCADE", "create"),
         ("DROP FUNCTION {s}.message_dequeue_v2", "dequeue"),
         ("DROP FUNCTION {s}.channel_take_v1", "dequeue"),  # called by message_dequeue_v2
@@ -678,6 +678,8 @@ def test_half_installed_schema_is_a_clear_error(
     with pytest.raises(lonnymq.SchemaNotInstalled, match="lonnymq migrate") as raised:
         if operation == "create":
             queue.channel("a").message.create(conn, b"z")
+        elif operation == "create new":
+            queue.channel("new").message.create(conn, b"z")
         elif operation == "dequeue":
             queue.dequeue(conn)
         else:
