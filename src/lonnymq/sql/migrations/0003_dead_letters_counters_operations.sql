@@ -423,6 +423,8 @@ DECLARE
     b_attempts integer[];
     b_created timestamptz[];
     v_rec record;
+    v_served timestamptz;
+    v_sooner integer[];
     i integer;
 BEGIN
     SELECT array_agg(q.id), array_agg(coalesce(q.max_attempts, 2147483647))
@@ -662,17 +664,50 @@ BEGIN
             JOIN {schema}.queue q ON q.id = m.queue_id
             ORDER BY s.rnk, s.ord;
 
-        -- 4. Move the served channels to the back of the round, in the order served.
+        -- 4. Move the served channels to the back of the round, in the order served: one
+        --    UPDATE for all of them (their served_at a microsecond apart keeps that order),
+        --    each with its turn from scratch (NULL when saturated or nothing is pending). A
+        --    channel left empty (its messages expired or dead) goes through channel_store_v1,
+        --    which deletes it and keeps its counters.
+        v_served := clock_timestamp();
+        WITH moved AS (
+            UPDATE {schema}.channel c SET
+                current_concurrency = c.current_concurrency + s.taken,
+                current_size = c.current_size - s.dropped - s.dead,
+                n_delivered = c.n_delivered + s.taken,
+                n_expired = c.n_expired + s.dropped,
+                n_dead = c.n_dead + s.dead,
+                served_at = t.served_at,
+                waiting_since = CASE
+                    WHEN c.max_concurrency IS NOT NULL
+                         AND c.current_concurrency + s.taken >= c.max_concurrency THEN NULL
+                    WHEN t.due IS NULL THEN NULL
+                    ELSE GREATEST(t.due, t.served_at) END
+            FROM unnest(v_channels) WITH ORDINALITY AS u
+            JOIN unnest(v_taken, v_dropped, v_dead) WITH ORDINALITY AS s(taken, dropped, dead, ord)
+                ON s.ord = u.ordinality
+            CROSS JOIN LATERAL (
+                SELECT {schema}.channel_next_due_v1(u.id) AS due,
+                       CASE WHEN s.taken > 0 THEN v_served + s.ord * interval '1 microsecond'
+                            ELSE u.served_at END AS served_at
+            ) AS t
+            WHERE c.id = u.id AND (u.current_size - s.dropped - s.dead > 0 OR u.has_policy)
+            RETURNING c.queue_id, c.waiting_since IS NOT NULL
+                AND (u.waiting_since IS NULL OR c.waiting_since < u.waiting_since) AS sooner
+        )
+        SELECT array_agg(DISTINCT m.queue_id) FILTER (WHERE m.sooner) INTO v_sooner FROM moved m;
+        FOR i IN 1 .. coalesce(cardinality(v_sooner), 0) LOOP
+            PERFORM pg_notify({wake}, (SELECT q.name FROM {schema}.queue q WHERE q.id = v_sooner[i]));
+        END LOOP;
         FOR i IN 1 .. cardinality(v_channels) LOOP
+            CONTINUE WHEN v_channels[i].current_size - v_dropped[i] - v_dead[i] > 0
+                OR v_channels[i].has_policy;
             v_new := v_channels[i];
             v_new.current_concurrency := v_new.current_concurrency + v_taken[i];
-            v_new.current_size := v_new.current_size - v_dropped[i] - v_dead[i];
+            v_new.current_size := 0;
             v_new.n_delivered := v_new.n_delivered + v_taken[i];
             v_new.n_expired := v_new.n_expired + v_dropped[i];
             v_new.n_dead := v_new.n_dead + v_dead[i];
-            IF v_taken[i] > 0 THEN
-                v_new.served_at := clock_timestamp();
-            END IF;
             PERFORM {schema}.channel_store_v1(v_channels[i], v_new, true);
         END LOOP;
         v_got := v_got + cardinality(v_ids);
