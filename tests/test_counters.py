@@ -422,3 +422,35 @@ def test_counters_exact_under_concurrent_work_and_housekeeping(
     assert counters(broker, conn, "default") == expected
     assert counter_rows(conn, broker.schema, "default") == 1
     assert channel_rows(conn, broker.schema) == []
+
+
+def test_bulk_ack_across_channels_frees_slots_and_keeps_counters(
+    broker: lonnymq.Broker, queue: lonnymq.Queue, conn: Conn
+) -> None:
+    """One delete_many over several channels: saturated channels get their turn back (and a
+    NOTIFY), emptied channels go with their counters kept, the others keep theirs."""
+    for name in ("a", "b"):
+        queue.channel(name).policy.set(conn, max_concurrency=1)
+        for n in range(2):
+            queue.channel(name).message.create(conn, f"{name}{n}".encode())
+    queue.channel("c").message.create(conn, b"c0")  # emptied by the ack below
+    queue.channel("d").message.create(conn, b"d0")
+    queue.channel("d").message.create(conn, b"d1")  # keeps one
+    got = queue.dequeue(conn, limit=10, lock_ms=60_000).messages
+    assert sorted(m.channel for m in got) == ["a", "b", "c", "d", "d"]
+    nothing = queue.dequeue(conn, limit=10, lock_ms=60_000)
+    assert not nothing  # a and b are saturated, c and d have nothing left
+    acked = [m for m in got if not (m.channel == "d" and m.content == b"d1")]
+    listener = psycopg.connect(conn.info.dsn, autocommit=True)
+    listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(broker.wake_channel)))
+    outcomes = broker.delete_many(conn, acked)
+    assert set(outcomes.values()) == {Outcome.OK}
+    woken = list(listener.notifies(timeout=2, stop_after=1))
+    listener.close()
+    assert [n.payload for n in woken] == ["default"]
+    again = queue.dequeue(conn, limit=10, lock_ms=60_000).messages
+    assert sorted(m.channel for m in again) == ["a", "b"]
+    assert {c.channel for c in queue.channels(conn)} == {"a", "b", "d"}  # c is gone
+    status = status_of(broker, conn, "default")
+    assert status.counters.acked == 4 and status.counters.enqueued == 7
+    assert (status.total, status.in_flight) == (3, 3)

@@ -1345,14 +1345,22 @@ END;
 $$;
 
 
--- Delete (ack) many held messages. One outcome per id, as message_delete_v1.
+-- Delete (ack) many held messages. One outcome per id, as message_delete_v1. The channels
+-- are locked in id order (the order every caller uses) in one statement and settled in sets:
+-- one UPDATE for those that keep messages, one DELETE for those left empty (their counters
+-- kept in one counter row per queue).
 CREATE FUNCTION {schema}.message_delete_many_v1(p_ids bigint[], p_lock_tokens uuid[])
 RETURNS TABLE (message_id bigint, result_code text)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_gone bigint[];
     v_channels bigint[];
-    r record;
+    v_ids bigint[];
+    v_counts integer[];
+    v_locked {schema}.channel[];
+    v_emptied bigint[];
+    v_sooner integer[];
+    i integer;
 BEGIN
     -- by primary key from the array (never a join the planner could hash), each row with
     -- the token given for it
@@ -1364,16 +1372,81 @@ BEGIN
         RETURNING m.id, m.channel_id
     )
     SELECT array_agg(g.id), array_agg(g.channel_id) INTO v_gone, v_channels FROM gone g;
-    -- one update per channel, in id order (the same order for every caller)
-    FOR r IN
-        SELECT x.channel_id, count(*)::integer AS n FROM unnest(v_channels) AS x(channel_id)
-        GROUP BY x.channel_id ORDER BY x.channel_id
-    LOOP
-        PERFORM {schema}.channel_release_v1(r.channel_id, -r.n, NULL, r.n);
+    IF v_gone IS NULL THEN
+        RETURN QUERY
+            SELECT h.id,
+                CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                     THEN 'state_invalid' ELSE 'not_found' END
+            FROM unnest(p_ids) AS h(id);
+        RETURN;
+    END IF;
+    SELECT array_agg(x.channel_id ORDER BY x.channel_id), array_agg(x.n ORDER BY x.channel_id)
+    INTO v_ids, v_counts
+    FROM (
+        SELECT u.channel_id, count(*)::integer AS n FROM unnest(v_channels) AS u(channel_id)
+        GROUP BY u.channel_id
+    ) AS x;
+    IF cardinality(v_ids) = 1 THEN
+        -- one channel (the usual case): no sets to build
+        PERFORM {schema}.channel_release_v1(v_ids[1], -v_counts[1], NULL, v_counts[1]);
+        RETURN QUERY
+            SELECT h.id,
+                CASE WHEN h.id = ANY (v_gone) THEN 'ok'
+                     WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                         THEN 'state_invalid'
+                     ELSE 'not_found' END
+            FROM unnest(p_ids) AS h(id);
+        RETURN;
+    END IF;
+    v_locked := ARRAY(
+        SELECT c FROM {schema}.channel c WHERE c.id = ANY (v_ids) ORDER BY c.id FOR UPDATE
+    );
+    -- left empty, without a policy of their own: deleted, their counters kept
+    SELECT array_agg(l.id) INTO v_emptied
+    FROM unnest(v_locked) AS l
+    JOIN unnest(v_ids, v_counts) AS p(id, n) ON p.id = l.id
+    WHERE l.current_size - p.n <= 0 AND NOT l.has_policy;
+    IF v_emptied IS NOT NULL THEN
+        DELETE FROM {schema}.channel c WHERE c.id = ANY (v_emptied);
+        INSERT INTO {schema}.counter
+            (queue_id, enqueued, delivered, acked, deferred, dead, expired, dropped)
+        SELECT l.queue_id, sum(l.n_enqueued), sum(l.n_delivered), sum(l.n_acked + p.n),
+               sum(l.n_deferred), sum(l.n_dead), sum(l.n_expired), sum(l.n_dropped)
+        FROM unnest(v_locked) AS l
+        JOIN unnest(v_ids, v_counts) AS p(id, n) ON p.id = l.id
+        WHERE l.id = ANY (v_emptied)
+        GROUP BY l.queue_id;
+    END IF;
+    -- the others: a slot freed each; a channel that was saturated gets its turn back
+    WITH settled AS (
+        UPDATE {schema}.channel c SET
+            current_size = GREATEST(0, c.current_size - p.n),
+            current_concurrency = GREATEST(0, c.current_concurrency - p.n),
+            n_acked = c.n_acked + p.n,
+            waiting_since = CASE
+                WHEN NOT p.was_saturated THEN c.waiting_since
+                WHEN GREATEST(0, c.current_concurrency - p.n) >= c.max_concurrency THEN NULL
+                ELSE (SELECT GREATEST(d.due, c.served_at)
+                      FROM (SELECT {schema}.channel_next_due_v1(c.id) AS due) AS d
+                      WHERE d.due IS NOT NULL)
+                END
+        FROM (
+            SELECT l.id, q.n, l.max_concurrency IS NOT NULL
+                AND l.current_concurrency >= l.max_concurrency AS was_saturated
+            FROM unnest(v_locked) AS l
+            JOIN unnest(v_ids, v_counts) AS q(id, n) ON q.id = l.id
+            WHERE l.id <> ALL (coalesce(v_emptied, ARRAY[]::bigint[]))
+        ) AS p
+        WHERE c.id = p.id
+        RETURNING c.queue_id, p.was_saturated AND c.waiting_since IS NOT NULL AS sooner
+    )
+    SELECT array_agg(DISTINCT s.queue_id) FILTER (WHERE s.sooner) INTO v_sooner FROM settled s;
+    FOR i IN 1 .. coalesce(cardinality(v_sooner), 0) LOOP
+        PERFORM pg_notify({wake}, (SELECT q.name FROM {schema}.queue q WHERE q.id = v_sooner[i]));
     END LOOP;
     RETURN QUERY
         SELECT h.id,
-            CASE WHEN h.id = ANY (coalesce(v_gone, ARRAY[]::bigint[])) THEN 'ok'
+            CASE WHEN h.id = ANY (v_gone) THEN 'ok'
                  WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
                      THEN 'state_invalid'
                  ELSE 'not_found' END
