@@ -242,43 +242,36 @@ def dead_lettered(
     m = metrics()
     if m is not None and queue is not None:
         (m.dead if kept else m.discarded).labels(queue, reason).inc()
-    tries = "?" if attempts is None else attempts
     if kept:
-        _log(
-            logging.WARNING,
-            "dead_lettered",
-            "dead-lettered message %d: %s after %s attempt(s) (queue=%s channel=%s); "
-            "`lonnymq messages show %d` shows it, `lonnymq messages retry %d` puts it back",
-            message_id,
-            reason,
-            tries,
-            queue,
-            channel,
-            message_id,
-            message_id,
-            message_id=message_id,
-            queue=queue,
-            channel=channel,
-            reason=reason,
-            attempts=attempts,
+        event = "dead_lettered"
+        text = (
+            "dead-lettered message %(id)d: %(reason)s after %(tries)s attempt(s) (queue=%(queue)s "
+            "channel=%(channel)s); `lonnymq messages show %(id)d` shows it, `lonnymq messages "
+            "retry %(id)d` puts it back"
         )
     else:
-        _log(
-            logging.WARNING,
-            "discarded",
-            "discarded message %d: %s after %s attempt(s) (queue=%s channel=%s keeps no dead "
-            "letters)",
-            message_id,
-            reason,
-            tries,
-            queue,
-            channel,
-            message_id=message_id,
-            queue=queue,
-            channel=channel,
-            reason=reason,
-            attempts=attempts,
+        event = "discarded"
+        text = (
+            "discarded message %(id)d: %(reason)s after %(tries)s attempt(s) (queue=%(queue)s "
+            "channel=%(channel)s keeps no dead letters)"
         )
+    _log(
+        logging.WARNING,
+        event,
+        text,
+        {
+            "id": message_id,
+            "reason": reason,
+            "tries": "?" if attempts is None else attempts,
+            "queue": queue,
+            "channel": channel,
+        },
+        message_id=message_id,
+        queue=queue,
+        channel=channel,
+        reason=reason,
+        attempts=attempts,
+    )
 
 
 def dequeue_time(seconds: float) -> None:

@@ -76,30 +76,35 @@ def _usage(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _db_now(conn: psycopg.Connection[Any]) -> datetime:
+    """The database's clock: ages are computed against the times it stored."""
+    row = conn.execute("SELECT clock_timestamp()").fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
 def _style(args: argparse.Namespace) -> _term.Style:
     return _term.Style(_term.wants_colour(sys.stdout, getattr(args, "color", "auto")))
+
+
+def _int(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {low} or more")
+    return value
 
 
 def _limit(text: str) -> int | None:
     if text.lower() in ("none", "null", "unlimited", "-"):
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError("must be 0 or more")
-    return value
+    return _int(text, 0)
 
 
 def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be 1 or more")
-    return value
+    return _int(text, 1)
 
 
 def _attempts(text: str) -> int | None:
@@ -264,7 +269,7 @@ def _read_status(
     conn: psycopg.Connection[Any], broker: Broker, args: argparse.Namespace
 ) -> tuple[list[QueueStatus], datetime]:
     statuses = broker.status(conn, count_ready=not args.no_count)
-    now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+    now = _db_now(conn)
     if args.queues:
         wanted = set(args.queues)
         statuses = [s for s in statuses if s.queue in wanted]
@@ -464,7 +469,7 @@ def cmd_channels(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         broker.check(conn)
         channels = broker.queue(args.queue).channels(conn, limit=args.limit)
-        now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+        now = _db_now(conn)
     if args.json:
         _print_json([dict(_term_fields(c)) for c in channels])
         return 0
@@ -598,7 +603,7 @@ def cmd_messages_list(args: argparse.Namespace) -> int:
             )
             more = len(page) > args.limit
             out = page[: args.limit]
-        now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+        now = _db_now(conn)
     if args.json:
         _print_json([_message_dict(m) for m in out])
         if more:
@@ -657,7 +662,7 @@ def cmd_messages_show(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         broker.check(conn)
         detail = broker.message(conn, args.id)
-        now = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+        now = _db_now(conn)
     if detail is None:
         print(f"lonnymq: no message {args.id}", file=sys.stderr)
         return 1

@@ -74,7 +74,7 @@ from .queue._ops import Op, async_commit, run
 from .queue.admin import delete_queue_op, purge_op, stats_op
 from .queue.dequeue import DequeueResult, dequeue_op
 from .queue.finalize import defer_op, delete_op
-from .queue.operate import configure_op, keeps_dead_letters_op, reject_op
+from .queue.operate import configure_op, reject_op, settings_op
 from .queue.routing import (
     all_bindings_op,
     bind_op,
@@ -588,7 +588,8 @@ class Channel(virtual.Channel):
 
     def _keeps_dead_letters(self, queue: str) -> bool:
         try:
-            return bool(self._run(keeps_dead_letters_op(self.options.schema, queue)))
+            found = self._run(settings_op(self.options.schema, queue))
+            return found is None or bool(found.dead_letter)
         except LonnyMQError:
             return True
 

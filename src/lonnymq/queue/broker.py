@@ -23,6 +23,7 @@ from .create import create_op
 from .dequeue import DEFAULT_LOCK_MS, DequeueResult, Message, dequeue_op
 from .finalize import KEEP, defer_op, delete_op, heartbeat_op
 from .operate import (
+    DEFAULT_SETTINGS,
     UNSET,
     ChannelStatus,
     MessageDetail,
@@ -40,6 +41,7 @@ from .operate import (
     reject_op,
     remove_op,
     retry_op,
+    settings_op,
     status_op,
 )
 from .policy import (
@@ -281,10 +283,8 @@ class Queue:
 
     def settings(self, conn: Conn) -> QueueSettings:
         """The queue's dead-letter settings (the defaults for a queue not created yet)."""
-        for status in self.broker.status(conn, count_ready=False):
-            if status.queue == self.name:
-                return status.settings
-        return QueueSettings(dead_letter=True, max_attempts=20, dead_retention_ms=1_209_600_000)
+        found = run(require_sync(conn), settings_op(self.schema, self.name))
+        return DEFAULT_SETTINGS if found is None else found
 
     def configure(
         self,

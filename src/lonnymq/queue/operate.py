@@ -31,7 +31,10 @@ _DEAD_PURGE: LiteralString = "SELECT {schema}.dead_purge_v1(%s::text)"
 _CONFIGURE: LiteralString = "SELECT {schema}.queue_configure_v1(%s::text, %s::jsonb)"
 _REJECT: LiteralString = "SELECT {schema}.message_reject_v1(%s::bigint, %s::uuid, %s::text)"
 _HOUSEKEEP: LiteralString = "SELECT {schema}.housekeep_v1(%s::integer)"
-_KEEPS_DEAD: LiteralString = "SELECT q.dead_letter FROM {schema}.queue q WHERE q.name = %s::text"
+_SETTINGS: LiteralString = (
+    "SELECT q.dead_letter, q.max_attempts, q.dead_retention_ms FROM {schema}.queue q "
+    "WHERE q.name = %s::text"
+)
 
 #: Most ids one call of delete or retry takes.
 MAX_IDS = 10_000
@@ -45,6 +48,10 @@ class QueueSettings:
     dead_letter: bool
     max_attempts: int | None
     dead_retention_ms: int
+
+
+#: What a queue gets when created (the column defaults of the queue table).
+DEFAULT_SETTINGS = QueueSettings(dead_letter=True, max_attempts=20, dead_retention_ms=1_209_600_000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,10 +353,11 @@ def housekeep_op(schema: str, *, limit: int = 10_000) -> Op[int]:
     return Op(schema, render(_HOUSEKEEP, schema), (count,), parse)
 
 
-def keeps_dead_letters_op(schema: str, queue: str) -> Op[bool]:
-    """Whether ``queue`` keeps dead letters (True for a queue not created yet: the default)."""
+def settings_op(schema: str, queue: str) -> Op[QueueSettings | None]:
+    """A queue's settings, read from its row; None for a queue not created yet (it would get
+    the defaults)."""
 
-    def parse(rows: Rows) -> bool:
-        return bool(rows[0][0]) if rows else True
+    def parse(rows: Rows) -> QueueSettings | None:
+        return QueueSettings(*rows[0]) if rows else None
 
-    return Op(schema, render(_KEEPS_DEAD, schema), (_checks.name(queue, "queue"),), parse)
+    return Op(schema, render(_SETTINGS, schema), (_checks.name(queue, "queue"),), parse)
