@@ -270,9 +270,16 @@ EXPECTED_STATEMENTS = {
     "message_dequeue_v2 (queues)": "array_agg(q.id)",
     "message_dequeue_v2 (expired locks)": "WITH relocked AS",
     "message_dequeue_v2 (channels whose turn it is)": "CROSS JOIN LATERAL",
-    "message_dequeue_v2 (take from a channel)": "channel_take_v1(v_channels[i].id",
-    "message_dequeue_v2 (lock the taken messages)": "WHERE m.id = ANY (v_batch)",
+    "message_dequeue_v2 (heads of the channels)": "LEFT JOIN LATERAL",
+    "message_dequeue_v2 (head of one channel)": "WHERE m.channel_id = v_cids[1]",
+    "message_dequeue_v2 (take behind a delayed head)": "channel_take_v1(v_cids[i]",
+    "message_dequeue_v2 (one channel, behind a delayed head)": "channel_take_v1(v_cids[1]",
+    "message_dequeue_v2 (lock the taken messages)": "WHERE m.id = ANY (v_p_ids)",
+    "message_dequeue_v2 (lock one channel's messages)": "WHERE m.id = ANY (v_batch)",
     "message_dequeue_v2 (result rows)": "FROM unnest(v_ids, v_ranks, v_orders)",
+    "message_dequeue_v2 (move the served channels)": "WITH moved AS",
+    "message_dequeue_v2 (move one channel)": "WHERE c.id = v_cids[1]",
+    "message_delete_many_v1 (one channel)": "WHERE c.id = v_first",
     "channel_take_v1": "m.priority = v_priority AND m.dequeue_at <= p_now",
     "channel_next_due_v1": "SELECT m.priority, m.dequeue_at",
     "channel_store_v1": ".channel SET current_size = p_new.current_size",
@@ -323,6 +330,16 @@ def run_workload(broker: lonnymq.Broker, conn: Conn, rep: int) -> None:
     assert [m.id for m in again.messages] == sorted(m.id for m in lost.messages)
     acked = broker.delete_many(conn, again.messages)
     assert acked == {m.id: Outcome.OK for m in again.messages}
+    # a delayed message of a higher priority heads its channel: the dequeue looks priority
+    # by priority (channel_take_v1), with one channel locked and with two
+    for lanes in (["a"], ["a", "b"]):
+        behind = broker.queue(f"behind-{rep}-{len(lanes)}-{uuid.uuid4().hex[:6]}")
+        for lane in lanes:
+            behind.channel(lane).message.create(conn, b"later", priority=5, delay_ms=60_000)
+            behind.channel(lane).message.create(conn, b"now")
+        got = behind.dequeue(conn, limit=len(lanes), lock_ms=60_000)
+        assert [m.content for m in got.messages] == [b"now"] * len(lanes)
+        assert broker.delete_many(conn, got.messages) == {m.id: Outcome.OK for m in got.messages}
     # create: in big channels (one saturated), named and delayed ones
     assert isinstance(default.channel("ch-12").message.create(conn, b"x"), lonnymq.Created)
     assert isinstance(default.channel("ch-52").message.create(conn, b"x"), lonnymq.Created)

@@ -470,30 +470,44 @@ DECLARE
     v_now timestamptz := clock_timestamp();
     v_lock interval := p_lock_ms * interval '1 millisecond';
     v_queue_ids integer[];
+    v_queue_names text[];
+    v_expired_locks boolean;
     v_got integer := 0;
     v_left integer;
     v_n integer;
     v_channels {schema}.channel[];
+    v_cids bigint[];
     v_taken integer[];
     v_done boolean[];
     v_dropped integer[];
-    v_expired bigint[];
+    v_dead integer[];
+    v_known boolean[];
+    v_seen boolean[];
+    v_head integer;
+    v_due boolean;
+    v_next timestamptz;
+    v_wait timestamptz;
+    v_gone integer;
+    v_next_at timestamptz[];
+    v_caps integer[];
     v_relock bigint[];
     v_locked bigint[];
     v_new {schema}.channel;
     v_batch bigint[];
+    v_p_ids bigint[];
+    v_p_ranks integer[];
+    v_p_orders integer[];
     v_ids bigint[] := ARRAY[]::bigint[];
     v_ranks integer[] := ARRAY[]::integer[];
     v_orders integer[] := ARRAY[]::integer[];
     v_quota integer;
+    v_budget integer;
     v_open integer;
     v_cap integer;
     v_try integer := 0;
     v_wait_id bigint;
     v_max_attempts integer[];
-    v_max integer;
     v_poison bigint[];
-    v_dead integer[];
     -- dead-lettered this call: id, queue, channel, name, attempts, created_at
     v_d_ids bigint[] := ARRAY[]::bigint[];
     v_d_queues text[] := ARRAY[]::text[];
@@ -513,9 +527,17 @@ DECLARE
     v_sooner integer[];
     i integer;
 BEGIN
-    SELECT array_agg(q.id), array_agg(coalesce(q.max_attempts, 2147483647))
-    INTO v_queue_ids, v_max_attempts
-    FROM {schema}.queue q WHERE q.name = ANY (p_queues);
+    SELECT array_agg(q.id), array_agg(q.name), array_agg(coalesce(q.max_attempts, 2147483647)),
+           coalesce(bool_or(x.found), false)
+    INTO v_queue_ids, v_queue_names, v_max_attempts, v_expired_locks
+    FROM {schema}.queue q
+    LEFT JOIN LATERAL (
+        SELECT true AS found FROM {schema}.message e
+        WHERE e.queue_id = q.id AND e.locked_until <= v_now
+        ORDER BY e.locked_until
+        LIMIT 1
+    ) AS x ON true
+    WHERE q.name = ANY (p_queues);
     IF v_queue_ids IS NULL THEN
         RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
             NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint,
@@ -524,25 +546,30 @@ BEGIN
     END IF;
 
     -- 1. Messages whose lock expired. They still count against their channel's concurrency,
-    --    so they are re-locked without touching the channel row. Each queue is read in index
-    --    order, stopping at p_limit: no sort of every expired lock (after a crash there may be
-    --    thousands); usually there is none, and this one probe is all it costs.
-    BEGIN
-        v_relock := ARRAY(
-            SELECT x.id FROM unnest(v_queue_ids) AS qid
-            CROSS JOIN LATERAL (
-                SELECT e.id, e.locked_until FROM {schema}.message e
-                WHERE e.queue_id = qid AND e.locked_until <= v_now
-                ORDER BY e.locked_until
+    --    so they are re-locked without touching the channel row. Usually there is none, and
+    --    one index probe per queue (above), without locking anything, is all it costs. Each queue is
+    --    read in index order, stopping at p_limit: no sort of every expired lock (after a
+    --    crash there may be thousands).
+    IF v_expired_locks THEN
+        BEGIN
+            v_relock := ARRAY(
+                SELECT x.id FROM unnest(v_queue_ids) AS qid
+                CROSS JOIN LATERAL (
+                    SELECT e.id, e.locked_until FROM {schema}.message e
+                    WHERE e.queue_id = qid AND e.locked_until <= v_now
+                    ORDER BY e.locked_until
+                    LIMIT p_limit
+                    FOR UPDATE SKIP LOCKED
+                ) AS x
+                ORDER BY x.locked_until
                 LIMIT p_limit
-                FOR UPDATE SKIP LOCKED
-            ) AS x
-            ORDER BY x.locked_until
-            LIMIT p_limit
-        );
-    EXCEPTION WHEN lock_not_available THEN
-        v_relock := ARRAY[]::bigint[];  -- see step 2: an ack holds one; take them next time
-    END;
+            );
+        EXCEPTION WHEN lock_not_available THEN
+            v_relock := ARRAY[]::bigint[];  -- see step 2: an ack holds one; take them next time
+        END;
+    ELSE
+        v_relock := ARRAY[]::bigint[];
+    END IF;
     IF cardinality(v_relock) > 0 THEN
         -- Delivered max_attempts times already, and its holder died each time: a poison
         -- message. Dead-letter it instead (and give up until the next call if a channel row
@@ -607,7 +634,9 @@ BEGIN
     -- 2. Lock the channels whose turn it is.
     WHILE v_left > 0 LOOP
         BEGIN
-            SELECT array_agg(s.c ORDER BY (s.c).waiting_since, (s.c).id) INTO v_channels
+            SELECT array_agg(s.c ORDER BY (s.c).waiting_since, (s.c).id),
+                   array_agg((s.c).id ORDER BY (s.c).waiting_since, (s.c).id)
+            INTO v_channels, v_cids
             FROM (
                 SELECT l.c FROM unnest(v_queue_ids) AS qid
                 CROSS JOIN LATERAL (
@@ -654,65 +683,82 @@ BEGIN
         v_wait_id := NULL;
     END LOOP;
 
-    IF v_channels IS NOT NULL THEN
-        -- 3. Take messages in passes: each open channel gets an equal share of what is left;
-        --    a channel that filled its share stays open for the next pass.
-        v_taken := array_fill(0, ARRAY[cardinality(v_channels)]);
-        v_done := array_fill(false, ARRAY[cardinality(v_channels)]);
-        v_dropped := array_fill(0, ARRAY[cardinality(v_channels)]);
-        v_dead := array_fill(0, ARRAY[cardinality(v_channels)]);
-        v_open := cardinality(v_channels);
-        WHILE v_left > 0 AND v_open > 0 LOOP
-            v_quota := ceil(v_left::numeric / v_open)::integer;
-            v_open := 0;
-            FOR i IN 1 .. cardinality(v_channels) LOOP
-                EXIT WHEN v_left <= 0;
-                v_cap := LEAST(v_quota, v_left);
-                IF v_channels[i].max_concurrency IS NOT NULL THEN
-                    v_cap := LEAST(v_cap, v_channels[i].max_concurrency
-                        - v_channels[i].current_concurrency - v_taken[i]);
-                END IF;
-                CONTINUE WHEN v_cap <= 0 OR v_done[i];
-                v_max := v_max_attempts[array_position(v_queue_ids, v_channels[i].queue_id)];
-                SELECT array_agg(x.id ORDER BY x.rn) INTO v_batch
-                FROM {schema}.channel_take_v1(v_channels[i].id, v_cap, v_now)
-                    WITH ORDINALITY AS x(id, rn);
-                -- lock them, by primary key from the array (never a join the planner could
-                -- hash); messages past their time to live are left out, and dropped below,
-                -- and so are those delivered max_attempts times (dead-lettered below)
-                WITH locked AS (
-                    UPDATE {schema}.message m SET
-                        locked_until = v_now + v_lock,
-                        lock_token = gen_random_uuid(),
-                        attempts = m.attempts + 1
-                    WHERE m.id = ANY (v_batch) AND (m.expires_at IS NULL OR m.expires_at > v_now)
-                      AND m.attempts < v_max
-                    RETURNING m.id
-                )
-                SELECT array_agg(l.id) INTO v_locked FROM locked l;
-                v_expired := NULL;
-                IF coalesce(cardinality(v_locked), 0) < coalesce(cardinality(v_batch), 0) THEN
+    IF cardinality(v_channels) = 1 THEN
+        -- One channel (one tenant, or a prefetch of 1): steps 3 and 4 below for one channel,
+        -- in fewer statements. Its head: the first cap + 1 unlocked messages in delivery
+        -- order; when the first cap are due, they are the ones to take (else channel_take_v1
+        -- looks priority by priority), and the next one tells when the channel is due again.
+        v_cap := v_left;
+        IF v_channels[1].max_concurrency IS NOT NULL THEN
+            v_cap := LEAST(v_cap, v_channels[1].max_concurrency - v_channels[1].current_concurrency);
+        END IF;
+        v_n := 0;
+        v_gone := 0;
+        v_got := coalesce(v_got, 0);
+        v_dead := ARRAY[0];
+        v_due := false;
+        IF v_cap > 0 THEN
+            SELECT count(h.id)::integer,
+                   coalesce(bool_and(h.dequeue_at <= v_now) FILTER (WHERE h.rn <= v_cap), true),
+                   array_agg(h.id ORDER BY h.rn) FILTER (WHERE h.rn <= v_cap),
+                   min(h.dequeue_at) FILTER (WHERE h.rn = v_cap + 1)
+            INTO v_head, v_due, v_batch, v_next
+            FROM (
+                SELECT m.id, m.dequeue_at,
+                       row_number() OVER (ORDER BY m.priority DESC, m.dequeue_at, m.id) AS rn
+                FROM {schema}.message m
+                WHERE m.channel_id = v_cids[1] AND m.locked_until IS NULL
+                ORDER BY m.priority DESC, m.dequeue_at, m.id
+                LIMIT v_cap + 1
+            ) AS h;
+            IF NOT v_due THEN
+                v_batch := ARRAY(
+                    SELECT x.id FROM {schema}.channel_take_v1(v_cids[1], v_cap, v_now)
+                        WITH ORDINALITY AS x(id, rn)
+                    ORDER BY x.rn
+                );
+            END IF;
+            IF coalesce(cardinality(v_batch), 0) > 0 THEN
+                RETURN QUERY
+                    WITH locked AS (
+                        UPDATE {schema}.message m SET
+                            locked_until = v_now + v_lock,
+                            lock_token = gen_random_uuid(),
+                            attempts = m.attempts + 1
+                        WHERE m.id = ANY (v_batch)
+                          AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                          AND m.attempts < v_max_attempts[array_position(v_queue_ids, m.queue_id)]
+                        RETURNING m.id, m.queue_id, m.name, m.priority, m.attempts, m.lock_token,
+                                  m.created_at, m.content, m.state
+                    )
+                    SELECT l.id, v_queue_names[array_position(v_queue_ids, l.queue_id)],
+                           (v_channels[1]).name, l.name, l.priority, l.attempts, l.lock_token,
+                           l.created_at, l.content, l.state, NULL::bigint, 'delivered'::text
+                    FROM locked l
+                    ORDER BY array_position(v_batch, l.id);
+                GET DIAGNOSTICS v_n = ROW_COUNT;
+                IF v_n < cardinality(v_batch) THEN
+                    -- not locked: past their time to live (deleted) or delivered max_attempts
+                    -- times (dead-lettered); the channel's turn is computed from scratch
+                    v_due := false;
                     WITH gone AS (
                         DELETE FROM {schema}.message m
-                        WHERE m.id = ANY (v_batch) AND m.expires_at <= v_now
-                          AND m.id <> ALL (coalesce(v_locked, ARRAY[]::bigint[]))
+                        WHERE m.id = ANY (v_batch) AND m.locked_until IS NULL
+                          AND m.expires_at <= v_now
                         RETURNING m.id
                     )
-                    SELECT array_agg(gone.id) INTO v_expired FROM gone;
-                    v_dropped[i] := v_dropped[i] + coalesce(cardinality(v_expired), 0);
+                    SELECT count(*)::integer INTO v_gone FROM gone;
                     v_poison := ARRAY(
-                        SELECT u.id FROM unnest(v_batch) AS u(id)
-                        WHERE u.id <> ALL (coalesce(v_locked, ARRAY[]::bigint[]))
-                          AND u.id <> ALL (coalesce(v_expired, ARRAY[]::bigint[]))
+                        SELECT m.id FROM {schema}.message m
+                        WHERE m.id = ANY (v_batch) AND m.locked_until IS NULL ORDER BY m.id
                     );
                     IF cardinality(v_poison) > 0 THEN
-                        -- the channel row is ours already: count them in step 4
                         SELECT array_agg(b.message_id), array_agg(b.queue_name),
                                array_agg(b.channel_name), array_agg(b.message_name),
                                array_agg(b.message_attempts), array_agg(b.message_created_at)
                         INTO b_ids, b_queues, b_channels, b_names, b_attempts, b_created
                         FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b;
-                        v_dead[i] := v_dead[i] + coalesce(cardinality(b_ids), 0);
+                        v_dead[1] := coalesce(cardinality(b_ids), 0);
                         v_d_ids := v_d_ids || b_ids;
                         v_d_queues := v_d_queues || b_queues;
                         v_d_channels := v_d_channels || b_channels;
@@ -720,21 +766,197 @@ BEGIN
                         v_d_attempts := v_d_attempts || b_attempts;
                         v_d_created := v_d_created || b_created;
                     END IF;
-                    SELECT array_agg(u.id ORDER BY u.ord) INTO v_batch
-                    FROM unnest(v_batch) WITH ORDINALITY AS u(id, ord)
-                    WHERE u.id = ANY (coalesce(v_locked, ARRAY[]::bigint[]));
-                    v_done[i] := true;  -- look again on the next call
                 END IF;
-                v_n := coalesce(cardinality(v_batch), 0);
-                IF v_n < v_cap AND v_expired IS NULL THEN
-                    v_done[i] := true;  -- nothing more due in this channel
+            END IF;
+        END IF;
+        v_got := v_got + v_n;
+        IF v_channels[1].current_size - v_gone - v_dead[1] > 0 OR v_channels[1].has_policy THEN
+            v_served := CASE WHEN v_n > 0 THEN clock_timestamp() ELSE v_channels[1].served_at END;
+            IF v_channels[1].max_concurrency IS NOT NULL
+               AND v_channels[1].current_concurrency + v_n >= v_channels[1].max_concurrency THEN
+                v_wait := NULL;  -- saturated: no turn until a slot comes free
+            ELSIF v_due AND v_head <= v_cap THEN
+                v_wait := NULL;  -- every unlocked message was taken
+            ELSIF v_due AND v_next <= v_served THEN
+                v_wait := v_served;  -- its next message is due: back of the round
+            ELSE
+                v_next := {schema}.channel_next_due_v1(v_cids[1]);
+                v_wait := CASE WHEN v_next IS NOT NULL THEN GREATEST(v_next, v_served) END;
+            END IF;
+            UPDATE {schema}.channel c SET
+                current_concurrency = c.current_concurrency + v_n,
+                current_size = c.current_size - v_gone - v_dead[1],
+                n_delivered = c.n_delivered + v_n,
+                n_expired = c.n_expired + v_gone,
+                n_dead = c.n_dead + v_dead[1],
+                served_at = v_served,
+                waiting_since = v_wait
+            WHERE c.id = v_cids[1];
+            IF v_wait IS NOT NULL AND (v_channels[1].waiting_since IS NULL
+                                       OR v_wait < v_channels[1].waiting_since) THEN
+                PERFORM pg_notify({wake}, v_queue_names[array_position(v_queue_ids, v_channels[1].queue_id)]);
+            END IF;
+        ELSE
+            v_new := v_channels[1];
+            v_new.current_concurrency := v_new.current_concurrency + v_n;
+            v_new.current_size := 0;
+            v_new.n_delivered := v_new.n_delivered + v_n;
+            v_new.n_expired := v_new.n_expired + v_gone;
+            v_new.n_dead := v_new.n_dead + v_dead[1];
+            PERFORM {schema}.channel_store_v1(v_channels[1], v_new, true);
+        END IF;
+    ELSIF v_channels IS NOT NULL THEN
+        -- 3. Take messages in passes: each open channel gets an equal share of what is left;
+        --    a channel that filled its share stays open for the next pass. Each pass reads
+        --    the heads of all its channels in one statement and locks what it takes in one
+        --    UPDATE.
+        v_n := cardinality(v_channels);
+        v_taken := array_fill(0, ARRAY[v_n]);
+        v_done := array_fill(false, ARRAY[v_n]);
+        v_dropped := array_fill(0, ARRAY[v_n]);
+        v_dead := array_fill(0, ARRAY[v_n]);
+        v_known := array_fill(false, ARRAY[v_n]);
+        v_seen := array_fill(false, ARRAY[v_n]);
+        v_next_at := array_fill(NULL::timestamptz, ARRAY[v_n]);
+        v_open := v_n;
+        WHILE v_left > 0 AND v_open > 0 LOOP
+            v_quota := ceil(v_left::numeric / v_open)::integer;
+            v_budget := v_left;
+            v_caps := array_fill(0, ARRAY[v_n]);
+            FOR i IN 1 .. v_n LOOP
+                EXIT WHEN v_budget <= 0;
+                CONTINUE WHEN v_done[i];
+                v_cap := LEAST(v_quota, v_budget);
+                IF v_channels[i].max_concurrency IS NOT NULL THEN
+                    v_cap := LEAST(v_cap, v_channels[i].max_concurrency
+                        - v_channels[i].current_concurrency - v_taken[i]);
                 END IF;
-                CONTINUE WHEN v_n = 0;
-                v_ids := v_ids || v_batch;
-                v_ranks := v_ranks || ARRAY(SELECT v_taken[i] + g FROM generate_series(1, v_n) AS g);
-                v_orders := v_orders || array_fill(i, ARRAY[v_n]);
-                v_taken[i] := v_taken[i] + v_n;
-                v_left := v_left - v_n;
+                IF v_cap <= 0 THEN
+                    v_done[i] := true;  -- at max_concurrency: no turn (step 4)
+                    v_seen[i] := true;
+                    CONTINUE;
+                END IF;
+                v_caps[i] := v_cap;
+                v_budget := v_budget - v_cap;
+            END LOOP;
+            -- The head of each channel: its first cap + 1 unlocked messages in delivery order
+            -- (one bounded index range scan each). When the first cap of them are all due,
+            -- they are the channel's best due messages, and the next one tells when the
+            -- channel is due again. Otherwise (a delayed message of a higher priority is at
+            -- the head) channel_take_v1 looks priority by priority.
+            v_p_ids := ARRAY[]::bigint[];
+            v_p_ranks := ARRAY[]::integer[];
+            v_p_orders := ARRAY[]::integer[];
+            FOR v_rec IN
+                SELECT u.ord::integer AS ord, u.cap, count(h.id)::integer AS n,
+                       coalesce(bool_and(h.dequeue_at <= v_now) FILTER (WHERE h.rn <= u.cap), true) AS due,
+                       array_agg(h.id ORDER BY h.rn) FILTER (WHERE h.rn <= u.cap) AS ids,
+                       min(h.dequeue_at) FILTER (WHERE h.rn = u.cap + 1) AS next_at
+                FROM unnest(v_cids, v_caps) WITH ORDINALITY AS u(cid, cap, ord)
+                LEFT JOIN LATERAL (
+                    SELECT m.id, m.dequeue_at,
+                           row_number() OVER (ORDER BY m.priority DESC, m.dequeue_at, m.id) AS rn
+                    FROM {schema}.message m
+                    WHERE m.channel_id = u.cid AND m.locked_until IS NULL
+                    ORDER BY m.priority DESC, m.dequeue_at, m.id
+                    LIMIT u.cap + 1
+                ) AS h ON true
+                WHERE u.cap > 0
+                GROUP BY u.ord, u.cap
+                ORDER BY u.ord
+            LOOP
+                i := v_rec.ord;
+                v_seen[i] := true;
+                IF v_rec.due THEN
+                    v_batch := v_rec.ids;
+                    v_known[i] := true;
+                    v_next_at[i] := v_rec.next_at;
+                    IF v_rec.n <= v_rec.cap THEN
+                        v_done[i] := true;  -- all its unlocked messages taken
+                    END IF;
+                ELSE
+                    v_batch := ARRAY(
+                        SELECT x.id FROM {schema}.channel_take_v1(v_cids[i], v_rec.cap, v_now)
+                            WITH ORDINALITY AS x(id, rn)
+                        ORDER BY x.rn
+                    );
+                    v_known[i] := false;
+                    IF coalesce(cardinality(v_batch), 0) < v_rec.cap THEN
+                        v_done[i] := true;  -- nothing more due in this channel
+                    END IF;
+                END IF;
+                CONTINUE WHEN coalesce(cardinality(v_batch), 0) = 0;
+                v_p_ids := v_p_ids || v_batch;
+                v_p_ranks := v_p_ranks
+                    || ARRAY(SELECT v_taken[i] + g FROM generate_series(1, cardinality(v_batch)) AS g);
+                v_p_orders := v_p_orders || array_fill(i, ARRAY[cardinality(v_batch)]);
+            END LOOP;
+            EXIT WHEN cardinality(v_p_ids) = 0;
+            -- Lock them, by primary key from the array (never a join the planner could hash);
+            -- messages past their time to live are left out, and dropped below, and so are
+            -- those delivered max_attempts times (dead-lettered below).
+            WITH locked AS (
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1
+                WHERE m.id = ANY (v_p_ids) AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                  AND m.attempts < v_max_attempts[array_position(v_queue_ids, m.queue_id)]
+                RETURNING m.id
+            )
+            SELECT array_agg(l.id) INTO v_locked FROM locked l;
+            IF coalesce(cardinality(v_locked), 0) < cardinality(v_p_ids) THEN
+                -- Expired ones are deleted, those at max_attempts dead-lettered (the channel
+                -- rows are ours already: counted in step 4); their channels are done for this
+                -- call (look again on the next).
+                FOR v_rec IN
+                    WITH failed AS (
+                        SELECT p.id, p.ord FROM unnest(v_p_ids, v_p_orders) AS p(id, ord)
+                        WHERE p.id <> ALL (coalesce(v_locked, ARRAY[]::bigint[]))
+                    ), gone AS (
+                        DELETE FROM {schema}.message m
+                        WHERE m.id = ANY (ARRAY(SELECT f.id FROM failed f)) AND m.expires_at <= v_now
+                        RETURNING m.id
+                    )
+                    SELECT f.ord, count(*) FILTER (WHERE g.id IS NOT NULL)::integer AS expired,
+                           array_agg(f.id) FILTER (WHERE g.id IS NULL) AS poison
+                    FROM failed f LEFT JOIN gone g ON g.id = f.id
+                    GROUP BY f.ord
+                LOOP
+                    v_dropped[v_rec.ord] := v_dropped[v_rec.ord] + v_rec.expired;
+                    v_done[v_rec.ord] := true;
+                    v_known[v_rec.ord] := false;
+                    IF v_rec.poison IS NOT NULL THEN
+                        SELECT array_agg(b.message_id), array_agg(b.queue_name),
+                               array_agg(b.channel_name), array_agg(b.message_name),
+                               array_agg(b.message_attempts), array_agg(b.message_created_at)
+                        INTO b_ids, b_queues, b_channels, b_names, b_attempts, b_created
+                        FROM {schema}.message_bury_v1(v_rec.poison, 'max_attempts') AS b;
+                        v_dead[v_rec.ord] := v_dead[v_rec.ord] + coalesce(cardinality(b_ids), 0);
+                        v_d_ids := v_d_ids || b_ids;
+                        v_d_queues := v_d_queues || b_queues;
+                        v_d_channels := v_d_channels || b_channels;
+                        v_d_names := v_d_names || b_names;
+                        v_d_attempts := v_d_attempts || b_attempts;
+                        v_d_created := v_d_created || b_created;
+                    END IF;
+                END LOOP;
+                SELECT array_agg(p.id ORDER BY p.n), array_agg(p.rnk ORDER BY p.n),
+                       array_agg(p.ord ORDER BY p.n)
+                INTO v_p_ids, v_p_ranks, v_p_orders
+                FROM unnest(v_p_ids, v_p_ranks, v_p_orders) WITH ORDINALITY AS p(id, rnk, ord, n)
+                WHERE p.id = ANY (coalesce(v_locked, ARRAY[]::bigint[]));
+                EXIT WHEN v_p_ids IS NULL;
+            END IF;
+            FOR i IN 1 .. cardinality(v_p_ids) LOOP
+                v_taken[v_p_orders[i]] := v_taken[v_p_orders[i]] + 1;
+            END LOOP;
+            v_ids := v_ids || v_p_ids;
+            v_ranks := v_ranks || v_p_ranks;
+            v_orders := v_orders || v_p_orders;
+            v_left := v_left - cardinality(v_p_ids);
+            v_open := 0;
+            FOR i IN 1 .. v_n LOOP
                 IF NOT v_done[i] THEN
                     v_open := v_open + 1;
                 END IF;
@@ -742,19 +964,20 @@ BEGIN
         END LOOP;
 
         RETURN QUERY
-            SELECT m.id, q.name, c.name, m.name, m.priority, m.attempts, m.lock_token,
+            SELECT m.id, v_queue_names[array_position(v_queue_ids, m.queue_id)],
+                   (v_channels[s.ord]).name, m.name, m.priority, m.attempts, m.lock_token,
                    m.created_at, m.content, m.state, NULL::bigint, 'delivered'::text
             FROM unnest(v_ids, v_ranks, v_orders) AS s(id, rnk, ord)
             JOIN {schema}.message m ON m.id = s.id
-            JOIN {schema}.channel c ON c.id = m.channel_id
-            JOIN {schema}.queue q ON q.id = m.queue_id
             ORDER BY s.rnk, s.ord;
 
         -- 4. Move the served channels to the back of the round, in the order served: one
-        --    UPDATE for all of them (their served_at a microsecond apart keeps that order),
-        --    each with its turn from scratch (NULL when saturated or nothing is pending). A
-        --    channel left empty (its messages expired or dead) goes through channel_store_v1,
-        --    which deletes it and keeps its counters.
+        --    UPDATE for all of them (their served_at a microsecond apart keeps that order).
+        --    A served channel's turn comes from the head read in step 3 when it can (its next
+        --    message is due: now), else from scratch (NULL when saturated or nothing is
+        --    pending); a channel locked but not served keeps its turn. A channel left empty
+        --    (its messages expired or dead) goes through channel_store_v1, which deletes it
+        --    and keeps its counters.
         v_served := clock_timestamp();
         WITH moved AS (
             UPDATE {schema}.channel c SET
@@ -763,29 +986,36 @@ BEGIN
                 n_delivered = c.n_delivered + s.taken,
                 n_expired = c.n_expired + s.dropped,
                 n_dead = c.n_dead + s.dead,
-                served_at = t.served_at,
+                served_at = CASE WHEN s.taken > 0 THEN v_served + s.ord * interval '1 microsecond'
+                                 ELSE c.served_at END,
                 waiting_since = CASE
+                    WHEN NOT s.seen THEN c.waiting_since
                     WHEN c.max_concurrency IS NOT NULL
                          AND c.current_concurrency + s.taken >= c.max_concurrency THEN NULL
-                    WHEN t.due IS NULL THEN NULL
-                    ELSE GREATEST(t.due, t.served_at) END
-            FROM unnest(v_channels) WITH ORDINALITY AS u
-            JOIN unnest(v_taken, v_dropped, v_dead) WITH ORDINALITY AS s(taken, dropped, dead, ord)
-                ON s.ord = u.ordinality
-            CROSS JOIN LATERAL (
-                SELECT {schema}.channel_next_due_v1(u.id) AS due,
-                       CASE WHEN s.taken > 0 THEN v_served + s.ord * interval '1 microsecond'
-                            ELSE u.served_at END AS served_at
-            ) AS t
-            WHERE c.id = u.id AND (u.current_size - s.dropped - s.dead > 0 OR u.has_policy)
-            RETURNING c.queue_id, c.waiting_since IS NOT NULL
-                AND (u.waiting_since IS NULL OR c.waiting_since < u.waiting_since) AS sooner
+                    WHEN s.known AND s.next_at IS NULL THEN NULL
+                    WHEN s.known AND s.next_at <= v_served THEN
+                        CASE WHEN s.taken > 0 THEN v_served + s.ord * interval '1 microsecond'
+                             ELSE GREATEST(s.next_at, c.served_at) END
+                    ELSE (SELECT GREATEST(d.due, CASE WHEN s.taken > 0
+                                 THEN v_served + s.ord * interval '1 microsecond'
+                                 ELSE c.served_at END)
+                          FROM (SELECT {schema}.channel_next_due_v1(c.id) AS due) AS d
+                          WHERE d.due IS NOT NULL)
+                    END
+            FROM unnest(v_cids, v_taken, v_dropped, v_dead, v_seen, v_known, v_next_at)
+                WITH ORDINALITY AS s(id, taken, dropped, dead, seen, known, next_at, ord)
+            WHERE c.id = ANY (v_cids) AND c.id = s.id
+              AND (c.current_size - s.dropped - s.dead > 0 OR c.has_policy)
+            RETURNING c.queue_id, c.waiting_since, s.ord
         )
-        SELECT array_agg(DISTINCT m.queue_id) FILTER (WHERE m.sooner) INTO v_sooner FROM moved m;
+        SELECT array_agg(DISTINCT m.queue_id) INTO v_sooner FROM moved m
+        WHERE m.waiting_since IS NOT NULL
+          AND ((v_channels[m.ord]).waiting_since IS NULL
+               OR m.waiting_since < (v_channels[m.ord]).waiting_since);
         FOR i IN 1 .. coalesce(cardinality(v_sooner), 0) LOOP
             PERFORM pg_notify({wake}, (SELECT q.name FROM {schema}.queue q WHERE q.id = v_sooner[i]));
         END LOOP;
-        FOR i IN 1 .. cardinality(v_channels) LOOP
+        FOR i IN 1 .. v_n LOOP
             CONTINUE WHEN v_channels[i].current_size - v_dropped[i] - v_dead[i] > 0
                 OR v_channels[i].has_policy;
             v_new := v_channels[i];
@@ -1361,6 +1591,9 @@ DECLARE
     v_locked {schema}.channel[];
     v_emptied bigint[];
     v_sooner integer[];
+    v_first bigint;
+    v_last bigint;
+    v_n integer;
     i integer;
 BEGIN
     -- by primary key from the array (never a join the planner could hash), each row with
@@ -1372,7 +1605,8 @@ BEGIN
           AND m.locked_until IS NOT NULL
         RETURNING m.id, m.channel_id
     )
-    SELECT array_agg(g.id), array_agg(g.channel_id) INTO v_gone, v_channels FROM gone g;
+    SELECT array_agg(g.id), array_agg(g.channel_id), min(g.channel_id), max(g.channel_id)
+    INTO v_gone, v_channels, v_first, v_last FROM gone g;
     IF v_gone IS NULL THEN
         RETURN QUERY
             SELECT h.id,
@@ -1381,15 +1615,24 @@ BEGIN
             FROM unnest(p_ids) AS h(id);
         RETURN;
     END IF;
-    SELECT array_agg(x.channel_id ORDER BY x.channel_id), array_agg(x.n ORDER BY x.channel_id)
-    INTO v_ids, v_counts
-    FROM (
-        SELECT u.channel_id, count(*)::integer AS n FROM unnest(v_channels) AS u(channel_id)
-        GROUP BY u.channel_id
-    ) AS x;
-    IF cardinality(v_ids) = 1 THEN
-        -- one channel (the usual case): no sets to build
-        PERFORM {schema}.channel_release_v1(v_ids[1], -v_counts[1], NULL, v_counts[1]);
+    IF v_first = v_last THEN
+        -- one channel (the usual case): a slot freed per message, in one UPDATE of its row,
+        -- unless the channel empties or was saturated (then channel_release_v1 deletes it,
+        -- or gives it its turn back)
+        v_n := cardinality(v_gone);
+        UPDATE {schema}.channel c SET
+            current_size = c.current_size - v_n,
+            current_concurrency = GREATEST(0, c.current_concurrency - v_n),
+            n_acked = c.n_acked + v_n
+        WHERE c.id = v_first AND (c.current_size - v_n > 0 OR c.has_policy)
+          AND (c.max_concurrency IS NULL OR c.current_concurrency < c.max_concurrency);
+        IF NOT FOUND THEN
+            PERFORM {schema}.channel_release_v1(v_first, -v_n, NULL, v_n);
+        END IF;
+        IF v_n = cardinality(p_ids) THEN
+            RETURN QUERY SELECT h.id, 'ok'::text FROM unnest(p_ids) AS h(id);
+            RETURN;
+        END IF;
         RETURN QUERY
             SELECT h.id,
                 CASE WHEN h.id = ANY (v_gone) THEN 'ok'
@@ -1399,6 +1642,12 @@ BEGIN
             FROM unnest(p_ids) AS h(id);
         RETURN;
     END IF;
+    SELECT array_agg(x.channel_id ORDER BY x.channel_id), array_agg(x.n ORDER BY x.channel_id)
+    INTO v_ids, v_counts
+    FROM (
+        SELECT u.channel_id, count(*)::integer AS n FROM unnest(v_channels) AS u(channel_id)
+        GROUP BY u.channel_id
+    ) AS x;
     v_locked := ARRAY(
         SELECT c FROM {schema}.channel c WHERE c.id = ANY (v_ids) ORDER BY c.id FOR UPDATE
     );
@@ -1438,7 +1687,7 @@ BEGIN
             JOIN unnest(v_ids, v_counts) AS q(id, n) ON q.id = l.id
             WHERE l.id <> ALL (coalesce(v_emptied, ARRAY[]::bigint[]))
         ) AS p
-        WHERE c.id = p.id
+        WHERE c.id = ANY (v_ids) AND c.id = p.id
         RETURNING c.queue_id, p.was_saturated AND c.waiting_since IS NOT NULL AS sooner
     )
     SELECT array_agg(DISTINCT s.queue_id) FILTER (WHERE s.sooner) INTO v_sooner FROM settled s;
