@@ -673,12 +673,22 @@ BEGIN
         ORDER BY w.waiting_since, w.id
         LIMIT 1;
         EXIT WHEN v_wait_id IS NULL;
-        -- Give the holder a moment (its transaction is one function call) and look again.
-        -- Sleep, never wait on the row lock: the SKIP LOCKED pass above may have left rows
-        -- locked that it did not return (a row updated since our snapshot is locked, then
-        -- fails the recheck), and waiting on a lock while holding one can deadlock with a
-        -- batch of creates. A dequeue never waits on a lock, so it can never deadlock.
-        PERFORM pg_sleep(0.001);
+        -- Wait for the holder (its transaction is usually one function call: an ack, a
+        -- create or another dequeue) and look again as soon as it commits: twice on the row
+        -- lock, then by sleeping 1 ms (the holder may be a long transaction of a producer).
+        -- A wait is at most lock_timeout (10 ms, set on this function): the SKIP LOCKED pass
+        -- above may have left rows locked that it did not return (a row updated since our
+        -- snapshot is locked, then fails the recheck), and waiting on a lock while holding
+        -- one could deadlock with a batch of creates; lock_timeout ends such a wait first.
+        IF v_try <= 2 THEN
+            BEGIN
+                PERFORM 1 FROM {schema}.channel c WHERE c.id = v_wait_id FOR UPDATE;
+            EXCEPTION WHEN lock_not_available THEN
+                NULL;
+            END;
+        ELSE
+            PERFORM pg_sleep(0.001);
+        END IF;
         v_now := clock_timestamp();
         v_wait_id := NULL;
     END LOOP;
