@@ -115,6 +115,12 @@ class AckBuffer:
         with self._lock:
             return bool(self._pending)
 
+    def beside_drainer(self) -> bool:
+        """True on a thread other than the drainer's while a drainer is active: its own
+        round trips should not hold the connection the drainer fetches on."""
+        with self._lock:
+            return self._state != self.IDLE and self._drainer != threading.get_ident()
+
     # -- any thread ----------------------------------------------------------------------------
 
     def offer(self, ref: Held) -> Ack | None:

@@ -29,7 +29,8 @@ Features
 - Idle consumers wait on LISTEN/NOTIFY, and wake for delayed messages and expiring locks by
   timer; ``polling_interval`` is only a safety net.
 
-Connections per process: 1 for a producer; 2 for a consumer (commands, and LISTEN).
+Connections per process: 1 for a producer; 2 for a consumer (commands, and LISTEN), and a
+third when other threads ack while it drains (Celery's pools).
 
 Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -95,6 +97,9 @@ _APPLIED: set[tuple[int, str, str, str]] = set()
 _APPLIED_LOCK = threading.Lock()
 
 Held = tuple[int, uuid.UUID]
+#: How long a consumer holding more than half its prefetch window waits for more of it to
+#: come free before it refills it (see ``QoS.refill_wait``).
+REFILL_DELAY = 0.002
 #: where a delivered message came from: (queue, channel, attempts)
 Where = tuple[str, str, int]
 T = TypeVar("T")
@@ -110,6 +115,7 @@ class QoS(virtual.QoS):
         self._held: dict[str, Held] = {}
         self._where: dict[str, Where] = {}
         self._held_lock = threading.Lock()
+        self._refill_since: float | None = None
 
     def hold(self, delivery_tag: str, ref: Held, where: Where | None = None) -> None:
         with self._held_lock:
@@ -132,6 +138,29 @@ class QoS(virtual.QoS):
 
     def _window_full(self) -> bool:
         return bool(self.prefetch_count) and not self.can_consume()
+
+    def refill_wait(self) -> float:
+        """Seconds the consumer should still wait before fetching (0: fetch now). A consumer
+        that holds less than half its prefetch window, or nothing, fetches at once. One that
+        holds more waits up to ``REFILL_DELAY`` for more of it to come free, so that a window
+        of 16 is refilled a few slots per dequeue instead of one (each dequeue is a round
+        trip and a transaction); it still holds half a window of work meanwhile."""
+        if not self.prefetch_count:
+            return 0.0
+        free = self.can_consume_max_estimate() or 0
+        if free == 0:
+            return REFILL_DELAY  # full: an ack wakes the consumer
+        if free >= (self.prefetch_count + 1) // 2 or free == self.prefetch_count:
+            self._refill_since = None
+            return 0.0
+        now = time.monotonic()
+        if self._refill_since is None:
+            self._refill_since = now
+        left = REFILL_DELAY - (now - self._refill_since)
+        if left <= 0:
+            self._refill_since = None
+            return 0.0
+        return left
 
     def ack(self, delivery_tag: str) -> None:
         self._settle(delivery_tag, requeue=False, why="ack")
@@ -162,11 +191,12 @@ class QoS(virtual.QoS):
                 if transport.acks.wait(ack):
                     return
                 # not taken in time, or its send failed: send it here
-                self.channel._finalize(ref, requeue=False, why=why)
+                self.channel._finalize(ref, requeue=False, why=why, beside=True)
                 return
         try:
             if ref is not None:
-                self.channel._finalize(ref, requeue=requeue, why=why, where=where)
+                beside = transport.acks.beside_drainer()
+                self.channel._finalize(ref, requeue=requeue, why=why, where=where, beside=beside)
         finally:
             self._quick_ack(delivery_tag)
             if full:
@@ -229,9 +259,19 @@ class Channel(virtual.Channel):
             cache[exchange] = found
         return cache[exchange]
 
-    def _finalize(self, ref: Held, *, requeue: bool, why: str, where: Where | None = None) -> None:
+    def _finalize(
+        self,
+        ref: Held,
+        *,
+        requeue: bool,
+        why: str,
+        where: Where | None = None,
+        beside: bool = False,
+    ) -> None:
         """Ack (delete), requeue (defer in place) or, for a reject without requeue, move the
-        message to the dead letters."""
+        message to the dead letters. ``beside``: sent by another thread while the consumer
+        drains (a Celery pool thread), on a connection of its own, so that the consumer's
+        next fetch does not wait for this round trip."""
         schema = self.options.schema
         if requeue:
             op = defer_op(schema, ref[0], ref[1], delay_ms=None)
@@ -239,7 +279,8 @@ class Channel(virtual.Channel):
             op = delete_op(schema, ref[0], ref[1])
         else:
             op = reject_op(schema, ref[0], ref[1], reason="rejected")
-        outcome = self._consume(op)
+        client = self.connection.side_pg if beside else self.connection.pg
+        outcome = client.run(self.connection.consumer_op(op))
         if outcome is Outcome.OK and not requeue and why != "ack":
             queue, lane, attempts = where if where is not None else (None, None, None)
             kept = queue is None or self._keeps_dead_letters(queue)
@@ -506,6 +547,9 @@ class Channel(virtual.Channel):
         Returns (messages delivered, retry_ms when nothing was available)."""
         if self.closed or not self._consumers or not self.qos.can_consume():
             return 0, None
+        wait = self.qos.refill_wait()
+        if wait > 0:
+            return 0, math.ceil(wait * 1000)
         free = self.qos.can_consume_max_estimate()
         limit = min(free or self.options.batch_size, self.options.batch_size)
         queues = list(dict.fromkeys(self._active_queues))
@@ -655,6 +699,20 @@ class Transport(virtual.Transport):
         self._said_polling = False
         self._policies_applied = False
         self.acks = AckBuffer()
+        self._side_pg: PgClient | None = None
+
+    @property
+    def side_pg(self) -> PgClient:
+        """A second command connection, opened on first use: for the acks that threads other
+        than the consumer's send themselves while the consumer drains (see ``_acks``)."""
+        if self._side_pg is None:
+            self._side_pg = PgClient(
+                self.conninfo,
+                schema=self.options.schema,
+                connect_timeout=self.options.connect_timeout,
+                auto_install=self.options.auto_install,
+            )
+        return self._side_pg
 
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
@@ -734,6 +792,9 @@ class Transport(virtual.Transport):
             if self._waiter is not None:
                 self._waiter.dispose()
                 self._waiter = None
+            if self._side_pg is not None:
+                self._side_pg.close()
+                self._side_pg = None
             self.pg.close()
 
     def _ensure_heartbeat(self) -> None:
