@@ -515,6 +515,7 @@ API_FUNCTIONS = {
     "queue_retry_ms_v1",
     "message_dequeue_v1",
     "message_dequeue_v2",
+    "message_ack_dequeue_v1",
     "channel_release_v1",
     "message_delete_v1",
     "message_defer_v1",
@@ -608,6 +609,14 @@ def test_everything_works_with_an_empty_search_path(
     assert broker.message(conn, bad.id) is not None
     assert broker.status(conn)[0].dead == 2
     assert queue.channels(conn) != []
+    # acks sent with the next dequeue: one applies, one does not (a dead letter by now)
+    a.message.create(conn, b"a3")
+    held = queue.dequeue(conn, lock_ms=60_000).messages[0]
+    following = queue.dequeue(conn, ack=[held, (bad.id, held.lock_token)], lock_ms=60_000)
+    assert following.acked == {held.id: Outcome.OK, bad.id: Outcome.NOT_FOUND}
+    assert broker.delete_many(conn, following.messages) == {
+        m.id: Outcome.OK for m in following.messages
+    }
     retried = broker.retry(conn, [bad.id])
     assert [r.result for r in retried] == ["retried"] and retried[0].new_id is not None
     back = retried[0].new_id

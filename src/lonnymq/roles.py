@@ -49,6 +49,7 @@ _WORKER = (
     *_PRODUCER,
     "message_dequeue_v1",
     "message_dequeue_v2",
+    "message_ack_dequeue_v1",
     "message_reject_v1",
     "housekeep_v1",
     "message_delete_v1",

@@ -54,7 +54,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from queue import Empty
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 import psycopg
 from amqp.protocol import queue_declare_ok_t
@@ -553,11 +553,8 @@ class Channel(virtual.Channel):
         free = self.qos.can_consume_max_estimate()
         limit = min(free or self.options.batch_size, self.options.batch_size)
         queues = list(dict.fromkeys(self._active_queues))
-        op = dequeue_op(self.options.schema, queues, limit=limit, lock_ms=self.options.lock_ms)
         started = time.perf_counter()
-        result: DequeueResult = self.connection.send_acks(
-            self.connection.acks.take(), then=self.connection.consumer_op(op)
-        )
+        result = self.connection.ack_and_dequeue(queues, limit)
         _events.dequeue_time(time.perf_counter() - started)
         self._report_dead(result)
         if not result.messages:
@@ -717,25 +714,42 @@ class Transport(virtual.Transport):
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
 
-    @overload
-    def send_acks(self, acks: list[Ack], then: None = None) -> None: ...
-    @overload
-    def send_acks(self, acks: list[Ack], then: Op[T]) -> T: ...
-    def send_acks(self, acks: list[Ack], then: Op[T] | None = None) -> T | None:
-        """Delete the buffered ``acks`` and run ``then`` (a dequeue) in one round trip.
-        When that fails, the acks go back to the buffer (or to the threads that made them)."""
-        if not acks:
-            return None if then is None else self.pg.run(then)
-        ack_op = self.consumer_op(delete_many_op(self.options.schema, [ack.ref for ack in acks]))
+    def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult:
+        """Delete the buffered acks and dequeue, in one statement. When that fails, the acks
+        go back to the buffer (or to the threads that made them)."""
+        acks = self.acks.take()
+        op = dequeue_op(
+            self.options.schema,
+            queues,
+            limit=limit,
+            lock_ms=self.options.lock_ms,
+            ack=[ack.ref for ack in acks],
+        )
         try:
-            if then is None:
-                outcomes, result = self.pg.run(ack_op), None
-            else:
-                outcomes, result = self.pg.run_pipeline(ack_op, then)
+            result: DequeueResult = self.pg.run(self.consumer_op(op))
         except BaseException:
             self.acks.put_back(acks)
             raise
         self.acks.done(acks)
+        self._log_acks(result.acked)
+        return result
+
+    def send_acks(self, acks: list[Ack]) -> None:
+        """Delete the buffered ``acks``. When that fails, they go back to the buffer (or to
+        the threads that made them)."""
+        if not acks:
+            return
+        ack_op = self.consumer_op(delete_many_op(self.options.schema, [ack.ref for ack in acks]))
+        try:
+            outcomes = self.pg.run(ack_op)
+        except BaseException:
+            self.acks.put_back(acks)
+            raise
+        self.acks.done(acks)
+        self._log_acks(outcomes)
+
+    @staticmethod
+    def _log_acks(outcomes: dict[int, Outcome]) -> None:
         for message_id, outcome in outcomes.items():
             if outcome is not Outcome.OK:
                 logger.warning(
@@ -744,7 +758,6 @@ class Transport(virtual.Transport):
                     message_id,
                     outcome.value,
                 )
-        return result
 
     @classmethod
     def as_uri(cls, uri: str, include_password: bool = False, mask: str = "**") -> str:

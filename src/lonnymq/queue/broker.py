@@ -101,16 +101,21 @@ class Broker:
         *,
         limit: int = 1,
         lock_ms: float = DEFAULT_LOCK_MS,
+        ack: Sequence[Message | tuple[int, uuid.UUID]] = (),
     ) -> DequeueResult:
         """Dequeue up to ``limit`` messages from ``queues`` and lock them for ``lock_ms``.
 
         Messages whose lock expired come first; then channels with a due message take turns,
         the one that has waited longest first; within a channel, highest priority, then
         earliest due, then oldest. Run it in its own transaction (autocommit is fine).
+
+        ``ack``: held messages (or ``(id, lock_token)`` pairs) to delete first, in the same
+        statement: a worker's acks travel with its next dequeue (``result.acked`` has their
+        outcomes).
         """
-        return run(
-            require_sync(conn), dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms)
-        )
+        held = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in ack]
+        op = dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms, ack=held)
+        return run(require_sync(conn), op)
 
     def delete(self, conn: Conn, message_id: int, lock_token: uuid.UUID) -> Outcome:
         """Delete (ack) a held message by id and lock token."""
@@ -248,9 +253,14 @@ class Queue:
         return QueuePolicy(self)
 
     def dequeue(
-        self, conn: Conn, *, limit: int = 1, lock_ms: float = DEFAULT_LOCK_MS
+        self,
+        conn: Conn,
+        *,
+        limit: int = 1,
+        lock_ms: float = DEFAULT_LOCK_MS,
+        ack: Sequence[Message | tuple[int, uuid.UUID]] = (),
     ) -> DequeueResult:
-        return self.broker.dequeue(conn, [self.name], limit=limit, lock_ms=lock_ms)
+        return self.broker.dequeue(conn, [self.name], limit=limit, lock_ms=lock_ms, ack=ack)
 
     def batch(self) -> Batch:
         """A batch whose ``channel(name)`` is a channel of this queue."""

@@ -23,6 +23,14 @@ _DEQUEUE: LiteralString = (
     "FROM {schema}.message_dequeue_v2(%s::text[], %s::integer, %s::bigint)"
 )
 
+_ACK_DEQUEUE: LiteralString = (
+    "SELECT message_id, queue_name, channel_name, message_name, message_priority, "
+    "message_attempts, message_lock_token, message_created_at, message_content, "
+    "message_state, retry_ms, event "
+    "FROM {schema}.message_ack_dequeue_v1(%s::bigint[], %s::uuid[], %s::text[], %s::integer, "
+    "%s::bigint)"
+)
+
 DEFAULT_LOCK_MS = 3_600_000
 
 
@@ -97,6 +105,8 @@ class DequeueResult:
     messages: list[Message]
     retry_ms: int | None = None
     dead: list[DeadLettered] = field(default_factory=list)
+    #: Outcome of each ack sent with this dequeue (``Broker.dequeue(..., ack=...)``).
+    acked: dict[int, Outcome] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.messages)
@@ -106,19 +116,31 @@ class DequeueResult:
 
 
 def dequeue_op(
-    schema: str, queues: Sequence[str], *, limit: int = 1, lock_ms: float = DEFAULT_LOCK_MS
+    schema: str,
+    queues: Sequence[str],
+    *,
+    limit: int = 1,
+    lock_ms: float = DEFAULT_LOCK_MS,
+    ack: Sequence[tuple[int, uuid.UUID]] = (),
 ) -> Op[DequeueResult]:
+    """Dequeue; with ``ack`` (held messages' ids and lock tokens), delete those first, in
+    the same statement (one round trip, one transaction for both)."""
     names = _checks.queues(queues)
     count = _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT)
     lock = _checks.milliseconds(lock_ms, "lock_ms", low=1, high=_checks.MAX_LOCK_MS)
+    ids = [int(a[0]) for a in ack]
+    tokens = [a[1] for a in ack]
 
     def parse(rows: Rows) -> DequeueResult:
         messages: list[Message] = []
         dead: list[DeadLettered] = []
+        acked = dict.fromkeys(ids, Outcome.OK)
         retry_ms = None
         for row in rows:
             event = row[11]
-            if event == "dead":
+            if event is not None and event.startswith("ack_"):
+                acked[row[0]] = Outcome(event[4:])
+            elif event == "dead":
                 dead.append(DeadLettered(row[0], row[1], row[2], row[3], row[5], row[7]))
             elif row[0] is None:
                 retry_ms = row[10]
@@ -142,6 +164,8 @@ def dequeue_op(
                         expired,
                     )
                 )
-        return DequeueResult(messages, retry_ms, dead)
+        return DequeueResult(messages, retry_ms, dead, acked)
 
+    if ids:
+        return Op(schema, render(_ACK_DEQUEUE, schema), (ids, tokens, names, count, lock), parse)
     return Op(schema, render(_DEQUEUE, schema), (names, count, lock), parse)

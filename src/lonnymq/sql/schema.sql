@@ -1715,6 +1715,42 @@ END;
 $$;
 
 
+-- Delete (ack) held messages, then dequeue, in one call (one statement, one transaction): a
+-- consumer's acks travel with its next dequeue. The rows are message_dequeue_v2's, after a
+-- row per ack that did not apply: message_id, and event 'ack_state_invalid' (held under
+-- another lock token, or not held) or 'ack_not_found' (as message_delete_many_v1).
+CREATE FUNCTION {schema}.message_ack_dequeue_v1(
+    p_ids bigint[], p_lock_tokens uuid[], p_queues text[], p_limit integer, p_lock_ms bigint
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF cardinality(p_ids) > 0 THEN
+        RETURN QUERY
+            SELECT a.message_id, NULL::text, NULL::text, NULL::text, NULL::smallint,
+                   NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+                   NULL::bigint, 'ack_' || a.result_code
+            FROM {schema}.message_delete_many_v1(p_ids, p_lock_tokens) AS a
+            WHERE a.result_code <> 'ok';
+    END IF;
+    RETURN QUERY SELECT * FROM {schema}.message_dequeue_v2(p_queues, p_limit, p_lock_ms);
+END;
+$$;
+
+
 -- Mark queues with an x-expires as used now (consumers call this periodically).
 CREATE FUNCTION {schema}.queue_touch_v1(p_queues text[]) RETURNS void
 LANGUAGE sql AS $$
@@ -2170,6 +2206,8 @@ ALTER FUNCTION {schema}.queue_touch_v1(text[])
 ALTER FUNCTION {schema}.expire_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;

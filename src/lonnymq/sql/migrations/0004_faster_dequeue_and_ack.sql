@@ -7,6 +7,8 @@
 --   shorter path; the expired-lock probe locks nothing unless there is an expired lock; a
 --   dequeue that finds the due channel held by another transaction waits for its row lock
 --   (at most lock_timeout) instead of sleeping 1 ms.
+-- * message_ack_dequeue_v1: a consumer's acks and its next dequeue in one statement (they
+--   were two statements pipelined in one round trip).
 -- * message_delete_many_v1 settles the one channel of its acks with one UPDATE (was: a call
 --   of channel_release_v1, which locked the row first).
 -- * The set-based channel UPDATEs of both find their rows by primary key (a generic plan
@@ -761,9 +763,69 @@ BEGIN
 END;
 $$;
 
+-- Delete (ack) held messages, then dequeue, in one call (one statement, one transaction): a
+-- consumer's acks travel with its next dequeue. The rows are message_dequeue_v2's, after a
+-- row per ack that did not apply: message_id, and event 'ack_state_invalid' (held under
+-- another lock token, or not held) or 'ack_not_found' (as message_delete_many_v1).
+CREATE FUNCTION {schema}.message_ack_dequeue_v1(
+    p_ids bigint[], p_lock_tokens uuid[], p_queues text[], p_limit integer, p_lock_ms bigint
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF cardinality(p_ids) > 0 THEN
+        RETURN QUERY
+            SELECT a.message_id, NULL::text, NULL::text, NULL::text, NULL::smallint,
+                   NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+                   NULL::bigint, 'ack_' || a.result_code
+            FROM {schema}.message_delete_many_v1(p_ids, p_lock_tokens) AS a
+            WHERE a.result_code <> 'ok';
+    END IF;
+    RETURN QUERY SELECT * FROM {schema}.message_dequeue_v2(p_queues, p_limit, p_lock_ms);
+END;
+$$;
+
+
 -- CREATE OR REPLACE keeps the grants but resets the settings: as before, both run with the
 -- owner's rights and a fixed search_path.
 ALTER FUNCTION {schema}.message_delete_many_v1(bigint[], uuid[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+REVOKE ALL ON FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
+    FROM PUBLIC;
+
+-- Roles that may dequeue (lonnymq.grant worker or admin) may ack and dequeue in one call.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole::text AS role
+        FROM pg_catalog.pg_proc p
+        CROSS JOIN LATERAL aclexplode(p.proacl) AS a
+        WHERE p.pronamespace = '{schema}'::regnamespace
+          AND p.proname = 'message_dequeue_v2'
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner AND a.grantee <> 0
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s',
+            '{schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)'::regprocedure,
+            r.role);
+    END LOOP;
+END;
+$$;
