@@ -28,11 +28,10 @@ from psycopg import sql
 from . import migrator
 from ._url import mask_password
 from .exceptions import ConnectionLost, SchemaNotInstalled
-from .queue._ops import Op, run, run_pipeline, translate
+from .queue._ops import Op, run, translate
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
-U = TypeVar("U")
 
 # Connections inherited across fork: kept referenced forever in the child so that their
 # finalizers never send a Terminate message down the parent's socket.
@@ -154,10 +153,6 @@ class PgClient(_Forkable):
     def run(self, op: Op[T]) -> T:
         """Run one operation, reconnecting first if the connection was lost."""
         return self._call(lambda conn: run(conn, op))
-
-    def run_pipeline(self, first: Op[T], second: Op[U]) -> tuple[T, U]:
-        """Run two operations in one round trip, reconnecting first if needed."""
-        return self._call(lambda conn: run_pipeline(conn, first, second))
 
     def _call(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``work`` on the connection: a lost connection is forgotten (the next call

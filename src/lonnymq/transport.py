@@ -148,9 +148,7 @@ class QoS(virtual.QoS):
         if not self.prefetch_count:
             return 0.0
         free = self.can_consume_max_estimate() or 0
-        if free == 0:
-            return REFILL_DELAY  # full: an ack wakes the consumer
-        if free >= (self.prefetch_count + 1) // 2 or free == self.prefetch_count:
+        if free >= (self.prefetch_count + 1) // 2:
             self._refill_since = None
             return 0.0
         now = time.monotonic()
@@ -245,10 +243,12 @@ class Channel(virtual.Channel):
     def _run(self, op: Op[Any]) -> Any:
         return self.connection.pg.run(op)
 
-    def _consume(self, op: Op[Any]) -> Any:
+    def _consume(self, op: Op[Any], *, beside: bool = False) -> Any:
         """Run a dequeue, ack, reject or release: with ``consumer_commit="async"`` it does not
-        wait for the WAL flush (losing it in a database crash only means a redelivery)."""
-        return self.connection.pg.run(self.connection.consumer_op(op))
+        wait for the WAL flush (losing it in a database crash only means a redelivery).
+        ``beside``: on the side connection (see ``Transport.side_pg``)."""
+        client = self.connection.side_pg if beside else self.connection.pg
+        return client.run(self.connection.consumer_op(op))
 
     def _exchange_type(self, exchange: str) -> str:
         cache = self.connection.exchange_types
@@ -279,8 +279,7 @@ class Channel(virtual.Channel):
             op = delete_op(schema, ref[0], ref[1])
         else:
             op = reject_op(schema, ref[0], ref[1], reason="rejected")
-        client = self.connection.side_pg if beside else self.connection.pg
-        outcome = client.run(self.connection.consumer_op(op))
+        outcome = self._consume(op, beside=beside)
         if outcome is Outcome.OK and not requeue and why != "ack":
             queue, lane, attempts = where if where is not None else (None, None, None)
             kept = queue is None or self._keeps_dead_letters(queue)
@@ -725,28 +724,27 @@ class Transport(virtual.Transport):
             lock_ms=self.options.lock_ms,
             ack=[ack.ref for ack in acks],
         )
-        try:
-            result: DequeueResult = self.pg.run(self.consumer_op(op))
-        except BaseException:
-            self.acks.put_back(acks)
-            raise
-        self.acks.done(acks)
+        result = self._carrying(acks, op)
         self._log_acks(result.acked)
         return result
 
     def send_acks(self, acks: list[Ack]) -> None:
         """Delete the buffered ``acks``. When that fails, they go back to the buffer (or to
         the threads that made them)."""
-        if not acks:
-            return
-        ack_op = self.consumer_op(delete_many_op(self.options.schema, [ack.ref for ack in acks]))
+        if acks:
+            op = delete_many_op(self.options.schema, [ack.ref for ack in acks])
+            self._log_acks(self._carrying(acks, op))
+
+    def _carrying(self, acks: list[Ack], op: Op[T]) -> T:
+        """Run ``op``, which carries ``acks``: tell their threads once it is done, or put
+        them back for the next round trip when it fails."""
         try:
-            outcomes = self.pg.run(ack_op)
+            result = self.pg.run(self.consumer_op(op))
         except BaseException:
             self.acks.put_back(acks)
             raise
         self.acks.done(acks)
-        self._log_acks(outcomes)
+        return result
 
     @staticmethod
     def _log_acks(outcomes: dict[int, Outcome]) -> None:

@@ -26,7 +26,6 @@ from ..exceptions import (
 )
 
 T = TypeVar("T")
-U = TypeVar("U")
 Rows = list[tuple[Any, ...]]
 
 
@@ -117,20 +116,6 @@ def run(conn: psycopg.Connection[Any], op: Op[T]) -> T:
     except psycopg.Error as exc:
         raise translate(exc, op.schema) from exc
     return op.parse(rows)
-
-
-def run_pipeline(conn: psycopg.Connection[Any], first: Op[T], second: Op[U]) -> tuple[T, U]:
-    """Run two ops in one round trip (pipeline mode), in order; results of both."""
-    try:
-        with conn.pipeline():
-            cur1 = conn.cursor()
-            cur1.execute(first.query, first.params)
-            cur2 = conn.cursor()
-            cur2.execute(second.query, second.params)
-        rows1, rows2 = cur1.fetchall(), cur2.fetchall()
-    except psycopg.Error as exc:
-        raise translate(exc, first.schema) from exc
-    return first.parse(rows1), second.parse(rows2)
 
 
 async def arun(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:

@@ -16,19 +16,17 @@ from .finalize import KEEP, defer_op, delete_op, heartbeat_op
 from .operate import reject_op
 from .results import Outcome
 
-_DEQUEUE: LiteralString = (
+_COLUMNS: LiteralString = (
     "SELECT message_id, queue_name, channel_name, message_name, message_priority, "
     "message_attempts, message_lock_token, message_created_at, message_content, "
     "message_state, retry_ms, event "
-    "FROM {schema}.message_dequeue_v2(%s::text[], %s::integer, %s::bigint)"
 )
-
+_DEQUEUE: LiteralString = (
+    _COLUMNS + "FROM {schema}.message_dequeue_v2(%s::text[], %s::integer, %s::bigint)"
+)
 _ACK_DEQUEUE: LiteralString = (
-    "SELECT message_id, queue_name, channel_name, message_name, message_priority, "
-    "message_attempts, message_lock_token, message_created_at, message_content, "
-    "message_state, retry_ms, event "
-    "FROM {schema}.message_ack_dequeue_v1(%s::bigint[], %s::uuid[], %s::text[], %s::integer, "
-    "%s::bigint)"
+    _COLUMNS + "FROM {schema}.message_ack_dequeue_v1(%s::bigint[], %s::uuid[], %s::text[], "
+    "%s::integer, %s::bigint)"
 )
 
 DEFAULT_LOCK_MS = 3_600_000

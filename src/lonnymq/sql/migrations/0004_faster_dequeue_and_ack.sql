@@ -66,6 +66,7 @@ DECLARE
     v_next timestamptz;
     v_wait timestamptz;
     v_gone integer;
+    v_buried integer;
     v_next_at timestamptz[];
     v_caps integer[];
     v_relock bigint[];
@@ -282,8 +283,7 @@ BEGIN
         END IF;
         v_n := 0;
         v_gone := 0;
-        v_got := coalesce(v_got, 0);
-        v_dead := ARRAY[0];
+        v_buried := 0;
         v_due := false;
         IF v_cap > 0 THEN
             SELECT count(h.id)::integer,
@@ -346,7 +346,7 @@ BEGIN
                                array_agg(b.message_attempts), array_agg(b.message_created_at)
                         INTO b_ids, b_queues, b_channels, b_names, b_attempts, b_created
                         FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b;
-                        v_dead[1] := coalesce(cardinality(b_ids), 0);
+                        v_buried := coalesce(cardinality(b_ids), 0);
                         v_d_ids := v_d_ids || b_ids;
                         v_d_queues := v_d_queues || b_queues;
                         v_d_channels := v_d_channels || b_channels;
@@ -358,7 +358,7 @@ BEGIN
             END IF;
         END IF;
         v_got := v_got + v_n;
-        IF v_channels[1].current_size - v_gone - v_dead[1] > 0 OR v_channels[1].has_policy THEN
+        IF v_channels[1].current_size - v_gone - v_buried > 0 OR v_channels[1].has_policy THEN
             v_served := CASE WHEN v_n > 0 THEN clock_timestamp() ELSE v_channels[1].served_at END;
             IF v_channels[1].max_concurrency IS NOT NULL
                AND v_channels[1].current_concurrency + v_n >= v_channels[1].max_concurrency THEN
@@ -373,10 +373,10 @@ BEGIN
             END IF;
             UPDATE {schema}.channel c SET
                 current_concurrency = c.current_concurrency + v_n,
-                current_size = c.current_size - v_gone - v_dead[1],
+                current_size = c.current_size - v_gone - v_buried,
                 n_delivered = c.n_delivered + v_n,
                 n_expired = c.n_expired + v_gone,
-                n_dead = c.n_dead + v_dead[1],
+                n_dead = c.n_dead + v_buried,
                 served_at = v_served,
                 waiting_since = v_wait
             WHERE c.id = v_cids[1];
@@ -390,7 +390,7 @@ BEGIN
             v_new.current_size := 0;
             v_new.n_delivered := v_new.n_delivered + v_n;
             v_new.n_expired := v_new.n_expired + v_gone;
-            v_new.n_dead := v_new.n_dead + v_dead[1];
+            v_new.n_dead := v_new.n_dead + v_buried;
             PERFORM {schema}.channel_store_v1(v_channels[1], v_new, true);
         END IF;
     ELSIF v_channels IS NOT NULL THEN
