@@ -56,6 +56,7 @@ app.conf.update(
         "schema": __SCHEMA__,
         "visibility_timeout": float(os.environ.get("LMQ_VT", "3600")),
         "polling_interval": 1,
+        "event_loop": os.environ.get("LMQ_EVENT_LOOP", "1") == "1",
     },
     worker_prefetch_multiplier=int(os.environ.get("LMQ_PREFETCH", "4")),
     broker_connection_retry_on_startup=True,
@@ -340,14 +341,27 @@ def node_of(replies: Any, worker: Worker) -> Any:
 
 
 @pytest.mark.parametrize(
-    "pool_args",
-    [("--pool", "threads", "-c", "4"), ("--pool", "prefork", "-c", "2"), ("--pool", "solo")],
-    ids=["threads", "prefork", "solo"],
+    ("pool_args", "event_loop"),
+    [
+        (("--pool", "threads", "-c", "4"), True),
+        (("--pool", "prefork", "-c", "2"), True),
+        (("--pool", "solo"), True),
+        (("--pool", "threads", "-c", "4"), False),
+        (("--pool", "prefork", "-c", "2"), False),
+    ],
+    ids=["threads", "prefork", "solo", "threads-blocking", "prefork-blocking"],
 )
 def test_pools_run_tasks_and_return_results(
-    env: Env, workers: Callable[..., Worker], pool_args: tuple[str, ...]
+    env: Env, workers: Callable[..., Worker], pool_args: tuple[str, ...], event_loop: bool
 ) -> None:
-    worker = workers(*pool_args)
+    """Every pool, in Celery's event loop (the default: the prefork pool is then Celery's
+    asynchronous pool) and with ``event_loop=False`` (Celery's blocking loop)."""
+    worker = workers(*pool_args, extra_env={"LMQ_EVENT_LOOP": "1" if event_loop else "0"})
+    if pool_args[1] == "prefork":
+        # only the asynchronous pool (event loop) counts its writes to pool processes
+        replies = env.app.control.inspect(timeout=5).stats()
+        pool = (node_of(replies, worker) or {}).get("pool", {})
+        assert isinstance(pool.get("writes"), dict) is event_loop, f"{pool}\n{worker.log_tail()}"
     add = env.task("add")
     results = [add.delay(i, i) for i in range(100)]
     try:

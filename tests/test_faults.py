@@ -40,6 +40,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -739,6 +740,96 @@ def test_celery_task_running_3x_visibility_timeout_runs_once(
     assert len(done) == 1, done
     assert done[0][1] - starts[0][1] >= 3 * vt
     print(f"\nlong task: ran once, {done[0][1] - starts[0][1]:.1f} s (visibility_timeout {vt} s)")
+
+
+# --------------------------------------------------------------------------------------------
+# 5b. Connections of a Celery worker's event loop cut under load
+
+SLOW_RECORD_TASK = RECORD_TASK.replace('name="t.record"', 'name="t.slow_record"').replace(
+    "def record(i):", "def slow_record(i):\n    time.sleep(0.005)"
+)
+
+
+def renewed(conn: Conn, pid: int, role: str, old: list[int]) -> Callable[[], bool]:
+    """True once process ``pid`` has ``lonnymq-<role>`` connections, none of them ``old``."""
+
+    def check() -> bool:
+        now = backends(conn, pid, role)
+        return bool(now) and not set(old) & set(now)
+
+    return check
+
+
+def runs_at_least(env: tcw.Env, n: int) -> Callable[[], bool]:
+    return lambda: len(runs(env)) >= n
+
+
+@pytest.mark.slow
+def test_celery_event_loop_recovers_from_cut_connections(
+    tmp_path: Path, pg_dsn: str, schema: str, conn: Conn
+) -> None:
+    """A prefork worker (Celery's event loop and asynchronous pool) runs acks_late tasks
+    published at ~150/s. In turn, every command connection of the worker's main process is
+    terminated, then its LISTEN connection: after each cut it opens new ones and goes on; in
+    the end every task ran and the queue is empty."""
+    env = tcw.make_env(tmp_path, pg_dsn, schema, SLOW_RECORD_TASK)
+    started: list[tcw.Worker] = []
+    stop = threading.Event()
+    sent: list[int] = []
+
+    def publish() -> None:
+        task = env.task("slow_record")
+        with env.app.producer_or_acquire() as producer:
+            for i in itertools.count():
+                if stop.is_set():
+                    return
+                task.apply_async((i,), producer=producer)
+                sent.append(i)
+                time.sleep(1 / 150)
+
+    publisher = threading.Thread(target=publish)
+    try:
+        args = tcw.worker_args("cuts", "celery", "--pool", "prefork", "-c", "2")
+        worker = tcw.launch(env.dir, env.module, "cuts", args, started, extra_env={"LMQ_VT": "5"})
+        publisher.start()
+        tcw.wait_for(lambda: len(runs(env)) >= 100, 30, "100 tasks", worker)
+        pid = worker.proc.pid
+        cuts = []
+        for role in ("command", "listen"):
+            old = backends(conn, pid, role)
+            assert old, f"no lonnymq-{role} connection of the worker"
+            for backend in old:
+                conn.execute("SELECT pg_terminate_backend(%s)", (backend,))
+            done = len(runs(env))
+            tcw.wait_for(renewed(conn, pid, role, old), 30, f"new {role} connections", worker)
+            tcw.wait_for(
+                runs_at_least(env, done + 100),
+                60,
+                f"100 more tasks after cutting the {role} connections",
+                worker,
+            )
+            cuts.append(f"{len(old)} {role}")
+        stop.set()
+        publisher.join(timeout=30)
+        total = len(sent)
+        tcw.wait_for(lambda: set(runs(env)) >= set(sent), 120, "every task to run", worker)
+        tcw.wait_for(lambda: tcw.stats(conn, schema).total == 0, 60, "the queue to empty", worker)
+        log = worker.log.read_text(errors="replace")
+        assert worker.alive()
+    finally:
+        stop.set()
+        if publisher.is_alive():
+            publisher.join(timeout=30)
+        for w in started:
+            tcw._stop(w)
+        env.app.close()
+    counts = runs(env)
+    assert set(counts) == set(range(total))
+    print(
+        f"\nevent loop cuts ({', '.join(cuts)}): {total} tasks, all ran; "
+        f"{sum(n - 1 for n in counts.values())} ran twice; "
+        f"{log.count('Connection to broker lost')} consumer reconnection(s)"
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def test_separate_fields(pg_dsn: str, schema: str) -> None:
         ({"visibility_timeout": "soon"}, "visibility_timeout"),
         ({"batch_size": 0}, "batch_size"),
         ({"use_listen": "yes"}, "use_listen"),
+        ({"event_loop": "yes"}, "event_loop"),
         ({"consumer_commit": "maybe"}, "consumer_commit"),
         ({"heartbeat_interval": 10, "visibility_timeout": 5}, "heartbeat_interval"),
     ],

@@ -48,6 +48,10 @@ class Options:
     #: Wait on LISTEN/NOTIFY (one extra connection per consuming process). Turn off behind
     #: PgBouncer in transaction mode.
     use_listen: bool = True
+    #: Let a Celery worker run the consumer in its event loop (and the prefork pool as
+    #: its asynchronous pool), as it does with RabbitMQ and Redis. False: Celery's blocking
+    #: loop calls drain_events, as with kombu's other database transports.
+    event_loop: bool = True
     #: Most messages fetched in one dequeue (when the prefetch window allows more).
     batch_size: int = 100
     #: Install or upgrade the schema on first use (advisory-locked, safe under concurrency).
@@ -113,7 +117,7 @@ class Options:
                 )
         if self.connect_timeout is not None:
             _seconds("connect_timeout", self.connect_timeout, low=0)
-        for name in ("use_listen", "auto_install"):
+        for name in ("use_listen", "auto_install", "event_loop"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"transport option {name} must be True or False")
         _integer("batch_size", self.batch_size, 1, 10_000)

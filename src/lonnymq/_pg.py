@@ -225,6 +225,48 @@ class Waiter(_Forkable):
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._pipe[1], b"!")
 
+    @property
+    def wake_fd(self) -> int:
+        """The end of the wake-up pipe to watch (an event loop's reader); see :meth:`woken`."""
+        return self._pipe[0]
+
+    def woken(self) -> bool:
+        """Empty the wake-up pipe; True when something was in it."""
+        got = False
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._pipe[0], 4096):
+                got = True
+        return got
+
+    def listening(self) -> tuple[psycopg.Connection[Any] | None, bool]:
+        """The LISTEN connection, opened if needed (None: ``listen`` is off, or LISTEN is
+        unavailable now and polling must do), and whether it was opened just now (then a
+        NOTIFY sent before it took effect may be lost: look again)."""
+        if not self.listen:
+            return None, False
+        with self._lock:
+            fresh = self._conn is None or self._conn.closed or self._conn.broken
+            conn = self._connection()
+            return conn, fresh and conn is not None
+
+    def notified(self, queues: Collection[str] | None) -> bool:
+        """Read the notifications that arrived (without blocking); True when one is for
+        ``queues`` (any queue if None). A lost LISTEN connection is closed (the next
+        :meth:`listening` reopens it) and counts as a wake-up."""
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return False
+            try:
+                woken = False
+                for note in conn.notifies(timeout=0):
+                    woken = woken or queues is None or note.payload in queues
+                return woken
+            except psycopg.Error as exc:
+                logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
+                self.close()
+                return True
+
     def _connection(self) -> psycopg.Connection[Any] | None:
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
             return self._conn

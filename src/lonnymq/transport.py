@@ -184,6 +184,8 @@ class QoS(virtual.QoS):
             if ack is not None:
                 self._quick_ack(delivery_tag)
                 if ack.sent is None:
+                    if transport.in_event_loop:
+                        transport.wake()  # the loop's own: goes with its next look, now
                     return  # the drainer's own: goes with its next round trip
                 transport.wake()
                 if transport.acks.wait(ack):
@@ -469,7 +471,14 @@ class Channel(virtual.Channel):
             self._no_ack_queues.add(queue)
         else:
             self._no_ack_queues.discard(queue)
-        return super().basic_consume(queue, no_ack, *args, **kwargs)
+        tag = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self.connection.wake()  # in an event loop: look at once
+        return tag
+
+    def basic_qos(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().basic_qos(*args, **kwargs)
+        self.connection.wake()  # the prefetch window may have grown
+        return result
 
     def basic_cancel(self, consumer_tag: str) -> Any:
         queue = self._tag_to_queue.get(consumer_tag)
@@ -667,7 +676,7 @@ class Transport(virtual.Transport):
     driver_type = "lonnymq"
     driver_name = "lonnymq"
     implements = virtual.Transport.implements.extend(
-        asynchronous=False,
+        asynchronous=True,
         exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )
@@ -696,6 +705,14 @@ class Transport(virtual.Transport):
         self._policies_applied = False
         self.acks = AckBuffer()
         self._side_pg: PgClient | None = None
+        if not self.options.event_loop:  # Celery then drives the consumer by drain_events
+            self.implements = type(self).implements.extend(asynchronous=False)
+        self._loop: Any = None  # Celery's event loop (kombu Hub) while registered with one
+        self._loop_owner = False  # the loop's thread holds the ack buffer
+        self._loop_timer: Any = None
+        self._listen_fd: int | None = None
+        self._retry_at: float | None = None
+        self._retry_timer: Any = None
 
     @property
     def side_pg(self) -> PgClient:
@@ -795,6 +812,7 @@ class Transport(virtual.Transport):
 
     def close_connection(self, connection: Any) -> None:
         try:
+            self._leave_loop()
             super().close_connection(connection)
         finally:
             if self._heartbeat is not None:
@@ -885,6 +903,124 @@ class Transport(virtual.Transport):
                     raise TimeoutError()
                 wait = min(wait, left)
             self._wait(wait, queues)
+
+    # -- Celery's event loop -------------------------------------------------------------------
+    # A Celery worker whose transport is asynchronous runs its consumer in an event loop (a
+    # kombu Hub; with the prefork pool, also the AsynPool) instead of calling drain_events.
+    # There the consumer looks for messages (one "look": fetch and deliver for every consuming
+    # channel, carrying the acks made since the last look) when woken: by a NOTIFY on the
+    # LISTEN connection, by the wake-up pipe (an ack freed room, an ack from another thread,
+    # a look that delivered something and should look again), by a timer (a delayed message
+    # or a prefetch refill is due), or by the fallback poll every polling_interval. The loop's
+    # thread holds the ack buffer: its own acks wait for the next look, which the ack wakes.
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        if self._loop is loop or not self.implements.asynchronous:
+            return
+        self._leave_loop()
+        self._loop = loop
+        waiter = self.waiter
+        loop.add_reader(waiter.wake_fd, self._on_loop_wake)
+        self._loop_timer = loop.call_repeatedly(self.options.polling_interval, self._loop_look)
+        waiter.wake()  # first look as soon as the loop runs
+
+    def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
+        self._leave_loop()
+
+    @property
+    def in_event_loop(self) -> bool:
+        return self._loop is not None
+
+    def _leave_loop(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        for fd in (None if self._waiter is None else self._waiter.wake_fd, self._listen_fd):
+            if fd is not None:
+                with contextlib.suppress(Exception):  # the loop may be closed already
+                    loop.remove_reader(fd)
+        self._listen_fd = None
+        for timer in (self._loop_timer, self._retry_timer):
+            if timer is not None:
+                with contextlib.suppress(Exception):
+                    timer.cancel()
+        self._loop_timer = self._retry_timer = self._retry_at = None
+        if self._loop_owner:
+            self._loop_owner = False
+            try:
+                self.send_acks(self.acks.end())
+            except LonnyMQError as exc:  # not lost: their locks expire and they come back
+                logger.warning("lonnymq: could not send acks when leaving the event loop: %s", exc)
+
+    def _on_loop_wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.woken()
+        self._loop_look()
+
+    def _on_loop_notify(self) -> None:
+        if self._waiter is not None and self._waiter.notified(self._consumed_queues()):
+            self._loop_look()
+
+    def _on_loop_retry(self) -> None:
+        self._retry_at = self._retry_timer = None
+        self._loop_look()
+
+    def _consumed_queues(self) -> set[str]:
+        queues: set[str] = set()
+        for channel in list(self.channels):
+            queues.update(channel._active_queues)
+        return queues
+
+    def _loop_look(self) -> None:
+        """Fetch and deliver for every consuming channel (the acks made since the last look go
+        with the dequeue); then arrange for the next look."""
+        loop = self._loop
+        if loop is None:
+            return
+        if not self._loop_owner:
+            self._loop_owner = self.acks.begin()
+        delivered = 0
+        retry_ms: int | None = None
+        for channel in list(self.channels):
+            if channel._consumers:
+                self._ensure_heartbeat()
+            got, retry = channel.fetch()
+            delivered += got
+            if retry is not None:
+                retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+        if delivered:
+            self.wake()  # there may be more: look again once the loop ran what it got
+        elif self._loop_owner and self.acks.pending():
+            self.send_acks(self.acks.take())
+        if retry_ms is not None:
+            self._loop_retry(retry_ms / 1000 + 0.001)
+        self._sync_listen(loop)
+
+    def _loop_retry(self, seconds: float) -> None:
+        """Look again in ``seconds`` (or sooner, if a look is already due sooner)."""
+        due = time.monotonic() + seconds
+        if self._retry_at is not None and self._retry_at <= due:
+            return
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        self._retry_at = due
+        self._retry_timer = self._loop.call_later(seconds, self._on_loop_retry)
+
+    def _sync_listen(self, loop: Any) -> None:
+        """Watch the LISTEN connection (it may have been reopened since the last look)."""
+        conn, fresh = self.waiter.listening()
+        fd = None if conn is None else conn.fileno()
+        if fresh or fd != self._listen_fd:
+            if self._listen_fd is not None:
+                with contextlib.suppress(Exception):
+                    loop.remove_reader(self._listen_fd)
+            self._listen_fd = fd
+            if fd is not None:
+                loop.add_reader(fd, self._on_loop_notify)
+        if fresh:
+            self.wake()  # a NOTIFY sent before the LISTEN took effect is lost: look again
+        elif conn is None and self.options.use_listen:
+            self._loop_retry(1.0)  # LISTEN is down: poll (and retry it) every second
 
 
 def _client_conninfo(client: Any) -> str:

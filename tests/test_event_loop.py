@@ -1,0 +1,249 @@
+# mypy: allow-untyped-calls
+# (kombu is untyped)
+"""The transport driven by an event loop (kombu's Hub, what a Celery worker runs) instead of
+``drain_events``: deliveries, acks carried by the next look, NOTIFY and timer wake-ups, acks
+from other threads, a lost LISTEN connection, acks still buffered at close."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psycopg
+import pytest
+from kombu.asynchronous import Hub
+from kombu.connection import Connection
+from kombu.entity import Queue
+
+import lonnymq
+from lonnymq.transport import Transport
+
+Conn = psycopg.Connection[Any]
+
+
+def url_of(dsn: str) -> str:
+    return "lonnymq://" + dsn.split("://", 1)[1]
+
+
+@pytest.fixture
+def make_connection(pg_dsn: str, schema: str) -> Iterator[Callable[..., Connection]]:
+    opened: list[Connection] = []
+
+    def make(**options: Any) -> Connection:
+        options.setdefault("schema", schema)
+        options.setdefault("visibility_timeout", 30)
+        options.setdefault("polling_interval", 30)  # no fallback poll hides a missed wake-up
+        connection = Connection(url_of(pg_dsn), transport_options=options)
+        opened.append(connection)
+        return connection
+
+    yield make
+    for connection in opened:
+        connection.release()
+
+
+@pytest.fixture
+def hub() -> Iterator[Hub]:
+    loop = Hub()
+    yield loop
+    loop.close()
+
+
+def in_loop(hub: Hub, connection: Connection) -> None:
+    connection.connect()
+    connection.transport.register_with_event_loop(connection.connection, hub)
+
+
+def run_until(hub: Hub, until: Callable[[], bool], timeout: float = 10) -> float:
+    """Run the loop until ``until()``; returns the seconds it took."""
+    start = time.monotonic()
+    loop = hub.create_loop()
+    while not until():
+        assert time.monotonic() - start < timeout, "timed out running the event loop"
+        next(loop)
+    return time.monotonic() - start
+
+
+def stats(conn: Conn, schema: str, queue: str) -> tuple[int, int]:
+    s = lonnymq.Broker(schema).queue(queue).stats(conn)
+    return s.total, s.in_flight
+
+
+def test_transport_is_asynchronous_unless_told_not_to(
+    make_connection: Callable[..., Connection],
+) -> None:
+    assert make_connection().transport.implements.asynchronous is True
+    off = make_connection(event_loop=False)
+    assert off.transport.implements.asynchronous is False
+    assert Transport.implements.asynchronous is True  # the option changes one instance only
+
+
+def test_loop_delivers_and_acks_without_drain_events(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    connection = make_connection()
+    queue = Queue("looped")
+    producer = make_connection().Producer()
+    for i in range(50):
+        producer.publish(i, routing_key="looped", declare=[queue])
+    in_loop(hub, connection)
+    received: list[int] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()  # on the loop's thread: goes with the next look
+
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=10)
+        run_until(hub, lambda: len(received) == 50 and stats(conn, schema, "looped") == (0, 0))
+    assert received == list(range(50))
+
+
+def test_loop_wakes_on_notify(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    connection = make_connection()
+    queue = Queue("wake")
+    queue(connection.default_channel).declare()
+    in_loop(hub, connection)
+    received: list[float] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(time.monotonic())
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]):
+        deadline = time.monotonic() + 0.3
+        run_until(hub, lambda: time.monotonic() > deadline)  # idle, LISTEN watched
+        assert received == []
+        sent = time.monotonic()
+        make_connection().Producer().publish("hi", routing_key="wake")
+        run_until(hub, lambda: bool(received), timeout=5)
+        run_until(hub, lambda: stats(conn, schema, "wake") == (0, 0))
+    assert received[0] - sent < 0.5
+
+
+def test_loop_wakes_for_a_delayed_message_by_timer(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    connection = make_connection()
+    queue = Queue("timer")
+    connection.Producer().publish(
+        "later", routing_key="timer", declare=[queue], headers={"x-delay-ms": 500}
+    )
+    start = time.monotonic()
+    in_loop(hub, connection)
+    received: list[float] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(time.monotonic())
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]):
+        run_until(hub, lambda: bool(received), timeout=5)
+    assert 0.45 < received[0] - start < 2.0
+
+
+def test_loop_takes_acks_from_other_threads(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    """Celery's thread pool acks from its threads while the loop waits: an ack that frees room
+    in a full prefetch window wakes the loop at once (not at the 30-second poll)."""
+    connection = make_connection()
+    queue = Queue("threaded")
+    producer = make_connection().Producer()
+    for i in range(60):
+        producer.publish(i, routing_key="threaded", declare=[queue])
+    in_loop(hub, connection)
+    received: list[int] = []
+    acked_in: set[int] = set()
+    with ThreadPoolExecutor(4) as pool:
+
+        def ack(message: Any) -> None:
+            message.ack()
+            acked_in.add(threading.get_ident())
+
+        def on_message(body: Any, message: Any) -> None:
+            received.append(body)
+            pool.submit(ack, message)
+
+        with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+            consumer.qos(prefetch_count=10)
+            took = run_until(
+                hub, lambda: len(received) == 60 and stats(conn, schema, "threaded") == (0, 0)
+            )
+    assert sorted(received) == list(range(60))
+    assert threading.get_ident() not in acked_in
+    assert took < 10
+
+
+def test_loop_survives_a_lost_listen_connection(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn
+) -> None:
+    connection = make_connection()
+    queue = Queue("relisten")
+    queue(connection.default_channel).declare()
+    in_loop(hub, connection)
+    received: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]):
+        deadline = time.monotonic() + 0.3
+        run_until(hub, lambda: time.monotonic() > deadline)
+        listen = connection.transport.waiter.listening()[0]
+        assert listen is not None
+        pid = listen.info.backend_pid
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        deadline = time.monotonic() + 0.5
+        run_until(hub, lambda: time.monotonic() > deadline)  # notices, reconnects
+        make_connection().Producer().publish("after", routing_key="relisten")
+        took = run_until(hub, lambda: bool(received), timeout=10)
+        relisten = connection.transport.waiter.listening()[0]
+    assert received == ["after"]
+    assert took < 3  # not the 30-second poll
+    assert relisten is not None and relisten.info.backend_pid != pid
+
+
+def test_acks_still_buffered_are_sent_at_close(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    connection = make_connection()
+    queue = Queue("closing")
+    connection.Producer().publish("x", routing_key="closing", declare=[queue])
+    in_loop(hub, connection)
+    messages: list[Any] = []
+    consumer = connection.Consumer(
+        queue, callbacks=[lambda body, message: messages.append(message)]
+    )
+    consumer.consume()
+    run_until(hub, lambda: bool(messages))
+    messages[0].ack()  # buffered for the next look, which never comes
+    assert stats(conn, schema, "closing") == (1, 1)
+    connection.release()
+    assert stats(conn, schema, "closing") == (0, 0)
+
+
+def test_loop_sends_an_ack_made_later_on_its_thread(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    """Celery's prefork pool acks on the loop's thread when a pool process accepts the task,
+    after the delivery: the ack wakes the loop, whose next look sends it."""
+    connection = make_connection()
+    queue = Queue("later_ack")
+    connection.Producer().publish("x", routing_key="later_ack", declare=[queue])
+    in_loop(hub, connection)
+    messages: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, msg: messages.append(msg)]):
+        run_until(hub, lambda: bool(messages))
+        deadline = time.monotonic() + 0.2
+        run_until(hub, lambda: time.monotonic() > deadline)  # idle: nothing more to look for
+        assert stats(conn, schema, "later_ack") == (1, 1)
+        hub.call_soon(messages[0].ack)
+        took = run_until(hub, lambda: stats(conn, schema, "later_ack") == (0, 0), timeout=5)
+    assert took < 1  # not the 30-second poll
