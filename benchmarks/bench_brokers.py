@@ -68,7 +68,9 @@ AMQP_URL = os.environ.get("BENCH_AMQP_URL", "pyamqp://guest:guest@127.0.0.1:5672
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 EXCHANGE = "bench_brokers"
 BODY_BYTES = 300
-ALL_BROKERS = ("lonnymq", "rabbitmq", "redis", "sqla", "pgmq")
+ALL_BROKERS = ("lonnymq", "rabbitmq", "redis", "sqla", "pgmq", "lonnymq_blocking")
+#: lonnymq with event_loop=False (Celery's blocking loop): an A/B of the event loop, not in
+#: the default run
 SCENARIOS = ("publish", "consume", "latency", "celery", "scale", "churn")
 DEFAULT_SCENARIOS = ("publish", "consume", "latency", "celery", "scale")
 
@@ -89,6 +91,10 @@ class BrokerSpec:
         options = {**self.options, **override}
         return Connection(self.url, transport_options=options)
 
+    @property
+    def is_lonnymq(self) -> bool:
+        return self.name.startswith("lonnymq")
+
     def count(self, n: int) -> int:
         return max(10, int(n * self.scale))
 
@@ -101,6 +107,10 @@ def make_brokers(names: Sequence[str], token: str) -> tuple[list[BrokerSpec], di
         if name == "lonnymq":
             schema = f"bench_brokers_{token}"
             out.append(BrokerSpec(name, f"lonnymq://{PG_HOSTPART}", {"schema": schema}))
+        elif name == "lonnymq_blocking":
+            schema = f"bench_brokers_{token}_blocking"
+            options = {"schema": schema, "event_loop": False}
+            out.append(BrokerSpec(name, f"lonnymq://{PG_HOSTPART}", options))
         elif name == "rabbitmq":
             out.append(BrokerSpec(name, AMQP_URL, {"confirm_publish": True}))
         elif name == "redis":
@@ -391,7 +401,7 @@ def prefill(
         ch = conn.channel()
         kombu_queue(qname)(ch).declare()
         producer = Producer(ch)
-        if spec.name == "lonnymq":
+        if spec.is_lonnymq:
             with pg_conn() as pg:
                 for start in range(0, n, 1000):
                     with lonnymq.transaction(pg):
@@ -1093,7 +1103,7 @@ class Bench:
     def cleanup(self) -> None:
         for spec in self.brokers:
             try:
-                if spec.name == "lonnymq":
+                if spec.is_lonnymq:
                     with pg_conn() as pg:
                         for schema in [spec.options["schema"], *self.extra_schemas]:
                             pg.execute(

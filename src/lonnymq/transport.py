@@ -28,6 +28,9 @@ Features
   messages come back after ``visibility_timeout``.
 - Idle consumers wait on LISTEN/NOTIFY, and wake for delayed messages and expiring locks by
   timer; ``polling_interval`` is only a safety net.
+- Asynchronous: a Celery worker runs the consumer in its event loop (``register_with_event_
+  loop``; the prefork pool is then Celery's asynchronous pool), as with RabbitMQ and Redis;
+  ``event_loop=False`` makes Celery use its blocking loop (``drain_events``) instead.
 
 Connections per process: 1 for a producer; 2 for a consumer (commands, and LISTEN), and a
 third when other threads ack while it drains (Celery's pools).
@@ -35,6 +38,7 @@ third when other threads ack while it drains (Celery's pools).
 Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
 (visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
+``event_loop`` (True: a Celery worker runs the consumer in its event loop),
 ``batch_size`` (100), ``auto_install`` (True), ``max_message_bytes`` (8 MiB),
 ``expire_interval`` (10 s), ``consumer_commit`` (``"async"``), ``connect_timeout``,
 ``policies`` (channel policies and queue settings declared in configuration, applied when a
