@@ -69,6 +69,7 @@ from kombu.utils.json import dumps, loads
 from . import _events, _headers, _url
 from ._acks import Ack, AckBuffer
 from ._heartbeat import Heartbeat
+from ._loop import LoopConsumer
 from ._options import Options
 from ._pg import PgClient, Waiter
 from .enqueue import current_connection
@@ -557,23 +558,43 @@ class Channel(virtual.Channel):
     def fetch(self) -> tuple[int, int | None]:
         """Dequeue up to the free prefetch window across the consumed queues and deliver.
         Returns (messages delivered, retry_ms when nothing was available)."""
-        if self.closed or not self._consumers or not self.qos.can_consume():
+        plan = self.fetch_plan()
+        if plan is None:
             return 0, None
+        if isinstance(plan, int):
+            return 0, plan
+        queues, limit = plan
+        return self.take(self.connection.ack_and_dequeue(queues, limit))
+
+    def fetch_plan(self) -> tuple[list[str], int] | int | None:
+        """What a fetch now would ask for: (queues, limit); or the ms to wait first (a
+        refill wait, see ``QoS.refill_wait``); None when there is nothing to fetch for."""
+        if self.closed or not self._consumers or not self.qos.can_consume():
+            return None
         wait = self.qos.refill_wait()
         if wait > 0:
-            return 0, math.ceil(wait * 1000)
+            return math.ceil(wait * 1000)
         free = self.qos.can_consume_max_estimate()
         limit = min(free or self.options.batch_size, self.options.batch_size)
-        queues = list(dict.fromkeys(self._active_queues))
-        started = time.perf_counter()
-        result = self.connection.ack_and_dequeue(queues, limit)
-        _events.dequeue_time(time.perf_counter() - started)
+        return list(dict.fromkeys(self._active_queues)), limit
+
+    def take(self, result: DequeueResult) -> tuple[int, int | None]:
+        """Deliver what a fetch dequeued. Returns (messages delivered, retry_ms when nothing
+        was available). Messages of queues no longer consumed (cancelled, or the channel
+        closed, while the fetch ran in the background) are released at once."""
         self._report_dead(result)
         if not result.messages:
             return 0, result.retry_ms
-        batch = self._decodable(result.messages)
+        gone = [m for m in result.messages if self.closed or m.queue not in self._active_queues]
+        if gone:
+            with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
+                self._defer_many((m.id, m.lock_token) for m in gone)
+            messages = [m for m in result.messages if m not in gone]
+        else:
+            messages = result.messages
+        batch = self._decodable(messages)
         if not batch:
-            return 0, 0  # all put aside: look again at once
+            return 0, 0  # all put aside or released: look again at once
         no_ack = [m for m, _ in batch if m.queue in self._no_ack_queues]
         if no_ack:
             self._consume(
@@ -711,12 +732,7 @@ class Transport(virtual.Transport):
         self._side_pg: PgClient | None = None
         if not self.options.event_loop:  # Celery then drives the consumer by drain_events
             self.implements = type(self).implements.extend(asynchronous=False)
-        self._loop: Any = None  # Celery's event loop (kombu Hub) while registered with one
-        self._loop_owner = False  # the loop's thread holds the ack buffer
-        self._loop_timer: Any = None
-        self._listen_fd: int | None = None
-        self._retry_at: float | None = None
-        self._retry_timer: Any = None
+        self._looper: LoopConsumer | None = None  # while registered with an event loop
 
     @property
     def side_pg(self) -> PgClient:
@@ -745,7 +761,9 @@ class Transport(virtual.Transport):
             lock_ms=self.options.lock_ms,
             ack=[ack.ref for ack in acks],
         )
+        started = time.perf_counter()
         result = self._carrying(acks, op)
+        _events.dequeue_time(time.perf_counter() - started)
         self._log_acks(result.acked)
         return result
 
@@ -848,7 +866,11 @@ class Transport(virtual.Transport):
         return self._waiter
 
     def wake(self) -> None:
-        """End the consumer's wait now (an ack freed room in a full prefetch window)."""
+        """End the consumer's wait now (an ack freed room in a full prefetch window, or wants
+        sending with the next fetch)."""
+        looper = self._looper
+        if looper is not None:
+            looper.want()
         if self._waiter is not None:
             self._waiter.wake()
 
@@ -908,123 +930,27 @@ class Transport(virtual.Transport):
                 wait = min(wait, left)
             self._wait(wait, queues)
 
-    # -- Celery's event loop -------------------------------------------------------------------
-    # A Celery worker whose transport is asynchronous runs its consumer in an event loop (a
-    # kombu Hub; with the prefork pool, also the AsynPool) instead of calling drain_events.
-    # There the consumer looks for messages (one "look": fetch and deliver for every consuming
-    # channel, carrying the acks made since the last look) when woken: by a NOTIFY on the
-    # LISTEN connection, by the wake-up pipe (an ack freed room, an ack from another thread,
-    # a look that delivered something and should look again), by a timer (a delayed message
-    # or a prefetch refill is due), or by the fallback poll every polling_interval. The loop's
-    # thread holds the ack buffer: its own acks wait for the next look, which the ack wakes.
+    # -- Celery's event loop (see _loop) -------------------------------------------------------
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
-        if self._loop is loop or not self.implements.asynchronous:
+        if not self.implements.asynchronous:
+            return
+        if self._looper is not None and self._looper.loop is loop:
             return
         self._leave_loop()
-        self._loop = loop
-        waiter = self.waiter
-        loop.add_reader(waiter.wake_fd, self._on_loop_wake)
-        self._loop_timer = loop.call_repeatedly(self.options.polling_interval, self._loop_look)
-        waiter.wake()  # first look as soon as the loop runs
+        self._looper = LoopConsumer(self, loop)
 
     def unregister_from_event_loop(self, connection: Any, loop: Any) -> None:
         self._leave_loop()
 
     @property
     def in_event_loop(self) -> bool:
-        return self._loop is not None
+        return self._looper is not None
 
     def _leave_loop(self) -> None:
-        loop, self._loop = self._loop, None
-        if loop is None:
-            return
-        for fd in (None if self._waiter is None else self._waiter.wake_fd, self._listen_fd):
-            if fd is not None:
-                with contextlib.suppress(Exception):  # the loop may be closed already
-                    loop.remove_reader(fd)
-        self._listen_fd = None
-        for timer in (self._loop_timer, self._retry_timer):
-            if timer is not None:
-                with contextlib.suppress(Exception):
-                    timer.cancel()
-        self._loop_timer = self._retry_timer = self._retry_at = None
-        if self._loop_owner:
-            self._loop_owner = False
-            try:
-                self.send_acks(self.acks.end())
-            except LonnyMQError as exc:  # not lost: their locks expire and they come back
-                logger.warning("lonnymq: could not send acks when leaving the event loop: %s", exc)
-
-    def _on_loop_wake(self) -> None:
-        if self._waiter is not None:
-            self._waiter.woken()
-        self._loop_look()
-
-    def _on_loop_notify(self) -> None:
-        if self._waiter is not None and self._waiter.notified(self._consumed_queues()):
-            self._loop_look()
-
-    def _on_loop_retry(self) -> None:
-        self._retry_at = self._retry_timer = None
-        self._loop_look()
-
-    def _consumed_queues(self) -> set[str]:
-        queues: set[str] = set()
-        for channel in list(self.channels):
-            queues.update(channel._active_queues)
-        return queues
-
-    def _loop_look(self) -> None:
-        """Fetch and deliver for every consuming channel (the acks made since the last look go
-        with the dequeue); then arrange for the next look."""
-        loop = self._loop
-        if loop is None:
-            return
-        if not self._loop_owner:
-            self._loop_owner = self.acks.begin()
-        delivered = 0
-        retry_ms: int | None = None
-        for channel in list(self.channels):
-            if channel._consumers:
-                self._ensure_heartbeat()
-            got, retry = channel.fetch()
-            delivered += got
-            if retry is not None:
-                retry_ms = retry if retry_ms is None else min(retry_ms, retry)
-        if delivered:
-            self.wake()  # there may be more: look again once the loop ran what it got
-        elif self._loop_owner and self.acks.pending():
-            self.send_acks(self.acks.take())
-        if retry_ms is not None:
-            self._loop_retry(retry_ms / 1000 + 0.001)
-        self._sync_listen(loop)
-
-    def _loop_retry(self, seconds: float) -> None:
-        """Look again in ``seconds`` (or sooner, if a look is already due sooner)."""
-        due = time.monotonic() + seconds
-        if self._retry_at is not None and self._retry_at <= due:
-            return
-        if self._retry_timer is not None:
-            self._retry_timer.cancel()
-        self._retry_at = due
-        self._retry_timer = self._loop.call_later(seconds, self._on_loop_retry)
-
-    def _sync_listen(self, loop: Any) -> None:
-        """Watch the LISTEN connection (it may have been reopened since the last look)."""
-        conn, fresh = self.waiter.listening()
-        fd = None if conn is None else conn.fileno()
-        if fresh or fd != self._listen_fd:
-            if self._listen_fd is not None:
-                with contextlib.suppress(Exception):
-                    loop.remove_reader(self._listen_fd)
-            self._listen_fd = fd
-            if fd is not None:
-                loop.add_reader(fd, self._on_loop_notify)
-        if fresh:
-            self.wake()  # a NOTIFY sent before the LISTEN took effect is lost: look again
-        elif conn is None and self.options.use_listen:
-            self._loop_retry(1.0)  # LISTEN is down: poll (and retry it) every second
+        looper, self._looper = self._looper, None
+        if looper is not None:
+            looper.close()
 
 
 def _client_conninfo(client: Any) -> str:

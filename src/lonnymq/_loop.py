@@ -1,0 +1,267 @@
+"""The consumer in Celery's event loop (a kombu Hub), for a transport registered with one.
+
+A Celery worker whose transport is asynchronous runs its consumer in an event loop (with the
+prefork pool, also the asynchronous pool, which feeds the pool processes from the same loop)
+instead of calling ``drain_events``. Here the consumer *looks* for messages when woken: by a
+NOTIFY on the LISTEN connection (whose socket the loop watches), by the wake-up pipe (an ack
+freed room or wants sending, an ack from a pool thread, a fetch came back), by a timer (a
+delayed message or a prefetch refill is due; every second while LISTEN is down), or by the
+fallback poll every ``polling_interval``.
+
+A look plans a fetch for every consuming kombu channel (queues, free prefetch window) and
+hands it to a fetch thread, which runs the dequeues (each carrying the acks made since the
+last) while the loop goes on feeding the pool; when they are back the thread wakes the loop,
+which delivers the messages on its own thread, as Celery requires, and looks again. One fetch
+is in flight at a time. The loop's thread holds the ack buffer: its own acks return at once
+and go with the next fetch, which they trigger. Errors of a fetch (a lost connection) are
+raised on the loop's thread, where Celery handles them as it does for RabbitMQ.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .exceptions import LonnyMQError
+from .queue.dequeue import DequeueResult
+
+if TYPE_CHECKING:
+    from .transport import Channel, Transport
+
+logger = logging.getLogger("lonnymq.transport")
+
+#: A planned fetch: (kombu channel, queues, limit).
+Job = tuple["Channel", list[str], int]
+#: What came back: the results of the fetches done, and the error that stopped the rest.
+Outcome = tuple[list[tuple["Channel", DequeueResult]], BaseException | None]
+
+
+class Fetcher(threading.Thread):
+    """Runs one batch of fetches at a time off the loop's thread; ``done`` is called (from
+    this thread) when a batch is back."""
+
+    def __init__(self, transport: Transport, done: Callable[[], None]) -> None:
+        super().__init__(name="lonnymq-fetch", daemon=True)
+        self.transport = transport
+        self.done = done
+        self._cond = threading.Condition()
+        self._jobs: list[Job] | None = None
+        self._outcome: Outcome | None = None
+        self._busy = False
+        self._stopped = False
+
+    @property
+    def busy(self) -> bool:
+        """A batch is in flight, or back and not yet taken."""
+        with self._cond:
+            return self._busy
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Fetch for ``jobs`` (an empty list: only send the buffered acks)."""
+        with self._cond:
+            assert not self._busy
+            self._busy = True
+            self._jobs = jobs
+            self._cond.notify()
+
+    def take(self) -> Outcome | None:
+        """The outcome of the last batch once it is back (then no batch is in flight)."""
+        with self._cond:
+            outcome, self._outcome = self._outcome, None
+            if outcome is not None:
+                self._busy = False
+            return outcome
+
+    def stop(self, timeout: float) -> Outcome | None:
+        """Stop the thread, after the batch in flight; returns that batch's outcome."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+            deadline = time.monotonic() + timeout
+            while self._busy and self._outcome is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        return self.take()
+
+    def run(self) -> None:
+        transport = self.transport
+        while True:
+            with self._cond:
+                while self._jobs is None and not self._stopped:
+                    self._cond.wait()
+                if self._jobs is None:
+                    return
+                jobs, self._jobs = self._jobs, None
+            results: list[tuple[Channel, DequeueResult]] = []
+            error: BaseException | None = None
+            try:
+                if not jobs:
+                    transport.send_acks(transport.acks.take())
+                for channel, queues, limit in jobs:
+                    results.append((channel, transport.ack_and_dequeue(queues, limit)))
+            except BaseException as exc:  # raised on the loop's thread
+                error = exc
+            with self._cond:
+                self._outcome = (results, error)
+                self._cond.notify_all()
+            self.done()
+
+
+class LoopConsumer:
+    """The consumer of ``transport`` in the event loop ``loop`` (see the module docstring)."""
+
+    def __init__(self, transport: Transport, loop: Any) -> None:
+        self.transport = transport
+        self.loop = loop
+        self.waiter = transport.waiter
+        self.owner = False  # the loop's thread holds the ack buffer
+        self.listen_fd: int | None = None
+        self.retry_at: float | None = None
+        self.retry_timer: Any = None
+        self._lock = threading.Lock()
+        self._wanted = True  # a reason to fetch came (cleared when a fetch starts)
+        self.fetcher = Fetcher(transport, self.waiter.wake)
+        self.fetcher.start()
+        loop.add_reader(self.waiter.wake_fd, self.on_wake)
+        self.poll_timer = loop.call_repeatedly(transport.options.polling_interval, self.on_retry)
+        self.closed = False
+        self.waiter.wake()  # first look as soon as the loop runs
+
+    def want(self) -> None:
+        """There may be something to fetch, or acks to send (any thread; wake the loop too)."""
+        with self._lock:
+            self._wanted = True
+
+    def _take_wanted(self) -> bool:
+        with self._lock:
+            wanted, self._wanted = self._wanted, False
+            return wanted
+
+    def close(self) -> None:
+        """Leave the loop: the fetch in flight is waited for (its messages are released,
+        not delivered), and the buffered acks are sent."""
+        if self.closed:
+            return
+        self.closed = True
+        for fd in (self.waiter.wake_fd, self.listen_fd):
+            if fd is not None:
+                with contextlib.suppress(Exception):  # the loop may be closed already
+                    self.loop.remove_reader(fd)
+        for timer in (self.poll_timer, self.retry_timer):
+            if timer is not None:
+                with contextlib.suppress(Exception):
+                    timer.cancel()
+        outcome = self.fetcher.stop(timeout=30.0)
+        transport = self.transport
+        if outcome is not None:
+            self._release(outcome[0])
+        if self.owner:
+            self.owner = False
+            try:
+                transport.send_acks(transport.acks.end())
+            except LonnyMQError as exc:  # not lost: their locks expire and they come back
+                logger.warning("lonnymq: could not send acks when leaving the event loop: %s", exc)
+
+    @staticmethod
+    def _release(results: list[tuple[Channel, DequeueResult]]) -> None:
+        """Unlock messages fetched and not delivered (else they come back when their lock
+        expires)."""
+        for channel, result in results:
+            held = [(m.id, m.lock_token) for m in result.messages]
+            with contextlib.suppress(LonnyMQError):
+                channel._defer_many(held)
+
+    # -- wake-ups ------------------------------------------------------------------------------
+
+    def on_wake(self) -> None:
+        self.waiter.woken()
+        self.look()
+
+    def on_notify(self) -> None:
+        queues: set[str] = set()
+        for channel in list(self.transport.channels):
+            queues.update(channel._active_queues)
+        if self.waiter.notified(queues):
+            self.want()
+            self.look()
+
+    def on_retry(self) -> None:
+        self.retry_at = self.retry_timer = None
+        self.want()
+        self.look()
+
+    # -- looking -------------------------------------------------------------------------------
+
+    def look(self) -> None:
+        """Deliver what a fetch brought back; plan and start the next fetch; arrange for the
+        next look."""
+        if self.closed:
+            return
+        transport = self.transport
+        if not self.owner:
+            self.owner = transport.acks.begin()
+        retry_ms: int | None = None
+        outcome = self.fetcher.take()
+        if outcome is not None:
+            results, error = outcome
+            for i, (channel, result) in enumerate(results):
+                try:
+                    delivered, retry = channel.take(result)
+                except BaseException:
+                    self._release(results[i + 1 :])
+                    raise
+                if delivered or retry == 0:
+                    self.want()  # there may be more
+                if retry is not None:
+                    retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+            if error is not None:
+                raise error
+        if not self.fetcher.busy and self._take_wanted():
+            jobs: list[Job] = []
+            for channel in list(transport.channels):
+                if channel._consumers:
+                    transport._ensure_heartbeat()
+                plan = channel.fetch_plan()
+                if isinstance(plan, int):
+                    retry_ms = plan if retry_ms is None else min(retry_ms, plan)
+                elif plan is not None:
+                    jobs.append((channel, *plan))
+            if jobs:
+                self.fetcher.submit(jobs)
+            elif self.owner and transport.acks.pending() and (retry_ms is None or retry_ms > 5):
+                self.fetcher.submit([])  # no fetch within a few ms to carry them: send them
+        if retry_ms is not None:
+            self.retry_in(retry_ms / 1000 + 0.001)
+        self.sync_listen()
+
+    def retry_in(self, seconds: float) -> None:
+        """Look again in ``seconds`` (or sooner, if a look is already due sooner)."""
+        due = time.monotonic() + seconds
+        if self.retry_at is not None and self.retry_at <= due:
+            return
+        if self.retry_timer is not None:
+            self.retry_timer.cancel()
+        self.retry_at = due
+        self.retry_timer = self.loop.call_later(seconds, self.on_retry)
+
+    def sync_listen(self) -> None:
+        """Watch the LISTEN connection (it may have been reopened since the last look)."""
+        conn, fresh = self.waiter.listening()
+        fd = None if conn is None else conn.fileno()
+        if fresh or fd != self.listen_fd:
+            if self.listen_fd is not None:
+                with contextlib.suppress(Exception):
+                    self.loop.remove_reader(self.listen_fd)
+            self.listen_fd = fd
+            if fd is not None:
+                self.loop.add_reader(fd, self.on_notify)
+        if fresh:
+            self.waiter.wake()  # a NOTIFY sent before the LISTEN took effect is lost: look again
+        elif conn is None and self.transport.options.use_listen:
+            self.retry_in(1.0)  # LISTEN is down: poll (and retry it) every second
