@@ -106,6 +106,8 @@ def test_separate_fields(pg_dsn: str, schema: str) -> None:
         ({"batch_size": 0}, "batch_size"),
         ({"use_listen": "yes"}, "use_listen"),
         ({"event_loop": "yes"}, "event_loop"),
+        ({"refill_delay": -1}, "refill_delay"),
+        ({"refill_delay": 2}, "refill_delay"),
         ({"consumer_commit": "maybe"}, "consumer_commit"),
         ({"heartbeat_interval": 10, "visibility_timeout": 5}, "heartbeat_interval"),
     ],
@@ -972,3 +974,36 @@ def test_ack_offered_before_a_blocking_callback_is_handed_back(
         acker.join(timeout=20)
     assert waited == [True], "the ack waited for the callback that waited for it"
     assert _count(conn, schema, "handback") == 0
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.0])
+def test_refill_waits_refill_delay_only_when_holding_more_than_half(
+    make_connection: Callable[..., Connection], delay: float
+) -> None:
+    """A consumer holding more than half its prefetch window waits ``refill_delay`` before it
+    refills (so that more of the window comes free per dequeue); holding half or less, it
+    refills at once."""
+    connection = make_connection(refill_delay=delay, polling_interval=30)
+    queue = Queue("refill")
+    producer = connection.Producer()
+    for i in range(30):
+        producer.publish(i, routing_key="refill", declare=[queue])
+    held: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, m: held.append(m)]) as consumer:
+        consumer.qos(prefetch_count=10)
+        drain(connection, lambda: len(held) == 10)
+        for message in held[:2]:
+            message.ack()  # holds 8 of 10
+        started = time.monotonic()
+        drain(connection, lambda: len(held) == 12)
+        more_than_half = time.monotonic() - started
+        for message in held[2:8]:
+            message.ack()  # holds 4 of 10
+        started = time.monotonic()
+        drain(connection, lambda: len(held) == 18)
+        half_or_less = time.monotonic() - started
+    assert half_or_less < 0.15
+    if delay:
+        assert more_than_half >= delay * 0.9
+    else:
+        assert more_than_half < 0.15

@@ -54,6 +54,10 @@ class Options:
     event_loop: bool = True
     #: Most messages fetched in one dequeue (when the prefetch window allows more).
     batch_size: int = 100
+    #: Seconds a consumer holding more than half its prefetch window waits for more of it to
+    #: come free before it refills it (a few slots per dequeue rather than one; it still holds
+    #: half a window of work meanwhile). 0: refill at once.
+    refill_delay: float = 0.005
     #: Install or upgrade the schema on first use (advisory-locked, safe under concurrency).
     auto_install: bool = True
     #: Largest message (serialized payload) accepted, bytes.
@@ -108,6 +112,9 @@ class Options:
         _seconds("visibility_timeout", self.visibility_timeout, low=0.001)
         _seconds("polling_interval", self.polling_interval, low=0.001)
         _seconds("expire_interval", self.expire_interval, low=0.001)
+        _seconds("refill_delay", self.refill_delay, low=0)
+        if self.refill_delay > 1:
+            raise ConfigurationError("transport option refill_delay is at most 1 (second)")
         if self.heartbeat_interval is not None:
             _seconds("heartbeat_interval", self.heartbeat_interval, low=0.001)
             if self.heartbeat_interval >= self.visibility_timeout:

@@ -39,7 +39,8 @@ Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
 (visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
 ``event_loop`` (True: a Celery worker runs the consumer in its event loop),
-``batch_size`` (100), ``auto_install`` (True), ``max_message_bytes`` (8 MiB),
+``refill_delay`` (0.005 s), ``batch_size`` (100), ``auto_install`` (True),
+``max_message_bytes`` (8 MiB),
 ``expire_interval`` (10 s), ``consumer_commit`` (``"async"``), ``connect_timeout``,
 ``policies`` (channel policies and queue settings declared in configuration, applied when a
 process first connects), ``metrics_port`` (serve the consuming process's Prometheus metrics).
@@ -102,9 +103,6 @@ _APPLIED: set[tuple[int, str, str, str]] = set()
 _APPLIED_LOCK = threading.Lock()
 
 Held = tuple[int, uuid.UUID]
-#: How long a consumer holding more than half its prefetch window waits for more of it to
-#: come free before it refills it (see ``QoS.refill_wait``).
-REFILL_DELAY = 0.002
 #: where a delivered message came from: (queue, channel, attempts)
 Where = tuple[str, str, int]
 T = TypeVar("T")
@@ -147,7 +145,7 @@ class QoS(virtual.QoS):
     def refill_wait(self) -> float:
         """Seconds the consumer should still wait before fetching (0: fetch now). A consumer
         that holds less than half its prefetch window, or nothing, fetches at once. One that
-        holds more waits up to ``REFILL_DELAY`` for more of it to come free, so that a window
+        holds more waits up to ``refill_delay`` for more of it to come free, so that a window
         of 16 is refilled a few slots per dequeue instead of one (each dequeue is a round
         trip and a transaction); it still holds half a window of work meanwhile."""
         if not self.prefetch_count:
@@ -159,7 +157,7 @@ class QoS(virtual.QoS):
         now = time.monotonic()
         if self._refill_since is None:
             self._refill_since = now
-        left = REFILL_DELAY - (now - self._refill_since)
+        left = self.channel.options.refill_delay - (now - self._refill_since)
         if left <= 0:
             self._refill_since = None
             return 0.0
