@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import urllib.request
@@ -448,6 +449,36 @@ def bulk_fill(spec: BrokerSpec, qname: str, channel: str, n: int, content: bytes
             if start and start % 100_000 == 0:
                 print(f"    filled {start:,}/{n:,}", flush=True)
     return time.perf_counter() - t0
+
+
+def churn_sampler(
+    schema: str,
+    vacuum_every: float | None,
+    t_start: float,
+    stop: threading.Event,
+    samples: list[dict[str, Any]],
+) -> None:
+    """During the churn: every minute, the schema's table sizes; with ``vacuum_every``, a
+    ``VACUUM`` of its tables that often (what autovacuum would do, off on the dev server)."""
+    next_sample = t_start + 60.0
+    next_vacuum = None if vacuum_every is None else t_start + vacuum_every
+    while not stop.is_set():
+        now = time.perf_counter()
+        if next_vacuum is not None and now >= next_vacuum:
+            with pg_conn() as pg:
+                for table in ("message", "channel", "counter"):
+                    pg.execute(sql.SQL("VACUUM {}").format(sql.Identifier(schema, table)))
+            next_vacuum = now + (vacuum_every or 0)
+        if now >= next_sample:
+            stats = lonnymq_table_stats(schema)
+            samples.append(
+                {
+                    "minute": round((now - t_start) / 60, 2),
+                    "bytes": {t: v["total_bytes"] for t, v in stats.items()},
+                }
+            )
+            next_sample += 60.0
+        stop.wait(1.0)
 
 
 def lonnymq_table_stats(schema: str) -> dict[str, dict[str, int]]:
@@ -1040,6 +1071,14 @@ class Bench:
             t_start = time.perf_counter()
             end = t_start + minutes * 60
             sent = 0
+            sampling = threading.Event()
+            samples: list[dict[str, Any]] = []
+            sampler = threading.Thread(
+                target=churn_sampler,
+                args=(schema, self.args.churn_vacuum, t_start, sampling, samples),
+                daemon=True,
+            )
+            sampler.start()
             with spec.connection() as conn:
                 ch = conn.channel()
                 kombu_queue(qname)(ch).declare()
@@ -1053,6 +1092,8 @@ class Bench:
                     due += 1.0 / rate
             time.sleep(2.0)
             stop.set()
+            sampling.set()
+            sampler.join(timeout=120)
             res = out.get(timeout=120)
             worker.join(timeout=30)
             end_stats = lonnymq_table_stats(schema)
@@ -1079,6 +1120,8 @@ class Bench:
                 "p99_ms_end": percentile(last, 0.99),
                 "tables_start": start_stats,
                 "tables_end": end_stats,
+                "vacuum_every_s": self.args.churn_vacuum,
+                "table_bytes_per_minute": samples,
                 **figures,
             }
             for metric, value in figures.items():
@@ -1090,6 +1133,11 @@ class Bench:
                 f"{figures['p50_ms_end']:.1f} ms at end; sent {sent}, received "
                 f"{len(res.latencies)}"
             )
+            for sample in samples:
+                sizes = ", ".join(
+                    f"{t} {b / 1e6:,.1f} MB" for t, b in sample["bytes"].items() if b > 100_000
+                )
+                print(f"    minute {sample['minute']:>4.1f}: {sizes}")
             for table in sorted(set(start_stats) | set(end_stats)):
                 a, b = start_stats.get(table, {}), end_stats.get(table, {})
                 print(
@@ -1363,6 +1411,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=20.0,
         help="length of the churn scenario (--only churn; not in the default run)",
+    )
+    p.add_argument(
+        "--churn-vacuum",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="during the churn, VACUUM lonnymq's tables this often (as autovacuum would; "
+        "off on the dev server); table sizes are sampled every minute either way",
     )
     p.add_argument("--output", type=Path, default=RESULTS_DIR / "brokers.json")
     p.add_argument("--chart", type=Path, default=RESULTS_DIR / "brokers.png")
