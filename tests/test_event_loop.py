@@ -222,7 +222,9 @@ def test_acks_still_buffered_are_sent_at_close(
         queue, callbacks=[lambda body, message: messages.append(message)]
     )
     consumer.consume()
-    run_until(hub, lambda: bool(messages))
+    looper = connection.transport._looper
+    assert looper is not None
+    run_until(hub, lambda: bool(messages) and not looper.fetcher.busy)
     messages[0].ack()  # buffered for the next look, which never comes
     assert stats(conn, schema, "closing") == (1, 1)
     connection.release()
@@ -247,3 +249,56 @@ def test_loop_sends_an_ack_made_later_on_its_thread(
         hub.call_soon(messages[0].ack)
         took = run_until(hub, lambda: stats(conn, schema, "later_ack") == (0, 0), timeout=5)
     assert took < 1  # not the 30-second poll
+
+
+def test_messages_fetched_but_not_delivered_are_released_at_close(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    """The fetch thread dequeued (locked) messages that the loop never delivered: closing the
+    connection unlocks them at once instead of leaving them to their visibility_timeout."""
+    connection = make_connection()
+    queue = Queue("undelivered")
+    producer = make_connection().Producer()
+    for i in range(5):
+        producer.publish(i, routing_key="undelivered", declare=[queue])
+    in_loop(hub, connection)
+    received: list[Any] = []
+    consumer = connection.Consumer(queue, callbacks=[lambda body, m: received.append(body)])
+    consumer.consume()
+    looper = connection.transport._looper
+    assert looper is not None
+    looper.look()  # starts a fetch; the loop is never run, so nothing is delivered
+    deadline = time.monotonic() + 10
+    while stats(conn, schema, "undelivered") != (5, 5):
+        assert time.monotonic() < deadline, "the fetch thread did not dequeue"
+        time.sleep(0.01)
+    connection.release()
+    assert received == []
+    assert stats(conn, schema, "undelivered") == (5, 0)
+
+
+def test_messages_fetched_for_a_channel_closed_meanwhile_are_released(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    connection = make_connection()
+    queue = Queue("closed_meanwhile")
+    producer = make_connection().Producer()
+    for i in range(5):
+        producer.publish(i, routing_key="closed_meanwhile", declare=[queue])
+    in_loop(hub, connection)
+    received: list[Any] = []
+    channel = connection.channel()
+    consumer = connection.Consumer(
+        [queue], channel=channel, callbacks=[lambda b, m: received.append(b)]
+    )
+    consumer.consume()
+    looper = connection.transport._looper
+    assert looper is not None
+    looper.look()
+    deadline = time.monotonic() + 10
+    while stats(conn, schema, "closed_meanwhile") != (5, 5):
+        assert time.monotonic() < deadline, "the fetch thread did not dequeue"
+        time.sleep(0.01)
+    channel.close()  # while its fetch is back and not yet taken by the loop
+    run_until(hub, lambda: stats(conn, schema, "closed_meanwhile") == (5, 0), timeout=5)
+    assert received == []

@@ -168,14 +168,20 @@ class LoopConsumer:
             except LonnyMQError as exc:  # not lost: their locks expire and they come back
                 logger.warning("lonnymq: could not send acks when leaving the event loop: %s", exc)
 
-    @staticmethod
-    def _release(results: list[tuple[Channel, DequeueResult]]) -> None:
+    def _release(self, results: list[tuple[Channel, DequeueResult]]) -> None:
         """Unlock messages fetched and not delivered (else they come back when their lock
         expires)."""
-        for channel, result in results:
-            held = [(m.id, m.lock_token) for m in result.messages]
-            with contextlib.suppress(LonnyMQError):
-                channel._defer_many(held)
+        held = [(m.id, m.lock_token) for _, result in results for m in result.messages]
+        if held:
+            try:
+                self.transport.release(held)
+            except LonnyMQError as exc:
+                logger.warning(
+                    "lonnymq: could not release %d fetched message(s) (%s); they come back "
+                    "when their lock expires",
+                    len(held),
+                    exc,
+                )
 
     # -- wake-ups ------------------------------------------------------------------------------
 
@@ -211,6 +217,9 @@ class LoopConsumer:
         if outcome is not None:
             results, error = outcome
             for i, (channel, result) in enumerate(results):
+                if channel.closed:  # closed while its fetch ran
+                    self._release([(channel, result)])
+                    continue
                 try:
                     delivered, retry = channel.take(result)
                 except BaseException:

@@ -578,12 +578,12 @@ class Channel(virtual.Channel):
 
     def take(self, result: DequeueResult) -> tuple[int, int | None]:
         """Deliver what a fetch dequeued. Returns (messages delivered, retry_ms when nothing
-        was available). Messages of queues no longer consumed (cancelled, or the channel
-        closed, while the fetch ran in the background) are released at once."""
+        was available). Messages of queues no longer consumed (cancelled while the fetch ran
+        in the background) are released at once. The channel must be open."""
         self._report_dead(result)
         if not result.messages:
             return 0, result.retry_ms
-        gone = [m for m in result.messages if self.closed or m.queue not in self._active_queues]
+        gone = [m for m in result.messages if m.queue not in self._active_queues]
         if gone:
             with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
                 self._defer_many((m.id, m.lock_token) for m in gone)
@@ -764,6 +764,13 @@ class Transport(virtual.Transport):
         _events.dequeue_time(time.perf_counter() - started)
         self._log_acks(result.acked)
         return result
+
+    def release(self, held: Iterable[Held]) -> None:
+        """Unlock messages dequeued and never delivered (else they come back only when their
+        lock expires). Works when their kombu channel is already closed."""
+        schema = self.options.schema
+        for ref in held:
+            self.pg.run(self.consumer_op(defer_op(schema, ref[0], ref[1], delay_ms=None)))
 
     def send_acks(self, acks: list[Ack]) -> None:
         """Delete the buffered ``acks``. When that fails, they go back to the buffer (or to
