@@ -20,12 +20,9 @@ from kombu.entity import Queue
 
 import lonnymq
 from lonnymq.transport import Transport
+from tests.test_transport import url_of
 
 Conn = psycopg.Connection[Any]
-
-
-def url_of(dsn: str) -> str:
-    return "lonnymq://" + dsn.split("://", 1)[1]
 
 
 @pytest.fixture
@@ -67,6 +64,15 @@ def run_until(hub: Hub, until: Callable[[], bool], timeout: float = 10) -> float
     return time.monotonic() - start
 
 
+def published(make_connection: Callable[..., Connection], name: str, n: int) -> Queue:
+    """The queue ``name``, declared, with the messages 0 .. n-1 published to it."""
+    queue = Queue(name)
+    producer = make_connection().Producer()
+    for i in range(n):
+        producer.publish(i, routing_key=name, declare=[queue])
+    return queue
+
+
 def stats(conn: Conn, schema: str, queue: str) -> tuple[int, int]:
     s = lonnymq.Broker(schema).queue(queue).stats(conn)
     return s.total, s.in_flight
@@ -85,10 +91,7 @@ def test_loop_delivers_and_acks_without_drain_events(
     make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
 ) -> None:
     connection = make_connection()
-    queue = Queue("looped")
-    producer = make_connection().Producer()
-    for i in range(50):
-        producer.publish(i, routing_key="looped", declare=[queue])
+    queue = published(make_connection, "looped", 50)
     in_loop(hub, connection)
     received: list[int] = []
 
@@ -153,10 +156,7 @@ def test_loop_takes_acks_from_other_threads(
     """Celery's thread pool acks from its threads while the loop waits: an ack that frees room
     in a full prefetch window wakes the loop at once (not at the 30-second poll)."""
     connection = make_connection()
-    queue = Queue("threaded")
-    producer = make_connection().Producer()
-    for i in range(60):
-        producer.publish(i, routing_key="threaded", declare=[queue])
+    queue = published(make_connection, "threaded", 60)
     in_loop(hub, connection)
     received: list[int] = []
     acked_in: set[int] = set()
@@ -257,10 +257,7 @@ def test_messages_fetched_but_not_delivered_are_released_at_close(
     """The fetch thread dequeued (locked) messages that the loop never delivered: closing the
     connection unlocks them at once instead of leaving them to their visibility_timeout."""
     connection = make_connection()
-    queue = Queue("undelivered")
-    producer = make_connection().Producer()
-    for i in range(5):
-        producer.publish(i, routing_key="undelivered", declare=[queue])
+    queue = published(make_connection, "undelivered", 5)
     in_loop(hub, connection)
     received: list[Any] = []
     consumer = connection.Consumer(queue, callbacks=[lambda body, m: received.append(body)])
@@ -281,10 +278,7 @@ def test_messages_fetched_for_a_channel_closed_meanwhile_are_released(
     make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
 ) -> None:
     connection = make_connection()
-    queue = Queue("closed_meanwhile")
-    producer = make_connection().Producer()
-    for i in range(5):
-        producer.publish(i, routing_key="closed_meanwhile", declare=[queue])
+    queue = published(make_connection, "closed_meanwhile", 5)
     in_loop(hub, connection)
     received: list[Any] = []
     channel = connection.channel()
