@@ -284,17 +284,15 @@ class Waiter(_Forkable):
 
     def wait(self, timeout: float, queues: Collection[str] | None = None) -> bool:
         """Block until a wake-up for one of ``queues`` (any queue if None), a :meth:`wake`,
-        or ``timeout`` seconds. Returns True when woken before the timeout."""
+        or ``timeout`` seconds. Returns True when woken before the timeout (a lost LISTEN
+        connection counts as a wake-up, see :meth:`notified`)."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._lock:
-            conn = None
-            if self.listen:
-                fresh = self._conn is None or self._conn.closed or self._conn.broken
-                conn = self._connection()
-                if conn is not None and fresh:
-                    # A NOTIFY sent before this LISTEN took effect is lost: have the caller
-                    # look again now that nothing can be missed.
-                    return True
+            conn, fresh = self.listening()
+            if fresh:
+                # A NOTIFY sent before this LISTEN took effect is lost: have the caller
+                # look again now that nothing can be missed.
+                return True
             pipe = self._pipe[0]
             try:
                 while True:
@@ -306,15 +304,10 @@ class Waiter(_Forkable):
                         watched, [], [], min(left, 1.0) if conn is None and self.listen else left
                     )
                     if pipe in ready:
-                        with contextlib.suppress(BlockingIOError):
-                            while os.read(pipe, 4096):
-                                pass
+                        self.woken()
                         return True
                     if conn is not None and ready:
-                        woken = False
-                        for note in conn.notifies(timeout=0):
-                            woken = woken or queues is None or note.payload in queues
-                        if woken:
+                        if self.notified(queues):
                             return True
                     elif conn is None and self.listen and not ready:
                         return False  # LISTEN down: let the caller poll, then retry LISTEN
