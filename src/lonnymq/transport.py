@@ -215,7 +215,7 @@ class QoS(virtual.QoS):
         self._delivered.clear()
         if held:
             try:
-                self.channel._defer_many(held)
+                self.channel.connection.release(held)
             except LonnyMQError as exc:
                 # Not lost: the locks expire after visibility_timeout and they come back.
                 logger.warning(
@@ -297,10 +297,6 @@ class Channel(virtual.Channel):
                 ref[0],
                 outcome.value,
             )
-
-    def _defer_many(self, held: Iterable[Held]) -> None:
-        for ref in held:
-            self._consume(defer_op(self.options.schema, ref[0], ref[1], delay_ms=None))
 
     # -- exchanges, queues, bindings -----------------------------------------------------------
 
@@ -583,13 +579,11 @@ class Channel(virtual.Channel):
         self._report_dead(result)
         if not result.messages:
             return 0, result.retry_ms
-        gone = [m for m in result.messages if m.queue not in self._active_queues]
-        if gone:
+        messages = [m for m in result.messages if m.queue in self._active_queues]
+        if len(messages) < len(result.messages):
+            gone = [m for m in result.messages if m.queue not in self._active_queues]
             with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
-                self._defer_many((m.id, m.lock_token) for m in gone)
-            messages = [m for m in result.messages if m not in gone]
-        else:
-            messages = result.messages
+                self.connection.release((m.id, m.lock_token) for m in gone)
         batch = self._decodable(messages)
         if not batch:
             return 0, 0  # all put aside or released: look again at once
@@ -620,7 +614,7 @@ class Channel(virtual.Channel):
             for m in rest:
                 self.qos._release(self._tag(m))
             with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
-                self._defer_many((m.id, m.lock_token) for m in rest)
+                self.connection.release((m.id, m.lock_token) for m in rest)
             raise
         finally:
             acks.delivering(False)
@@ -766,8 +760,9 @@ class Transport(virtual.Transport):
         return result
 
     def release(self, held: Iterable[Held]) -> None:
-        """Unlock messages dequeued and never delivered (else they come back only when their
-        lock expires). Works when their kombu channel is already closed."""
+        """Unlock held messages (the same rows, back in their place): the unacked ones when
+        a channel closes, or ones dequeued and never delivered; else they come back only when
+        their lock expires. Works when their kombu channel is already closed."""
         schema = self.options.schema
         for ref in held:
             self.pg.run(self.consumer_op(defer_op(schema, ref[0], ref[1], delay_ms=None)))
