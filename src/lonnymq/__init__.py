@@ -23,6 +23,7 @@ import psycopg
 from . import migrator
 from .enqueue import transaction
 from .exceptions import (
+    ChannelBusy,
     ChannelFull,
     ConfigurationError,
     ConnectionLost,
@@ -87,6 +88,7 @@ __all__ = [
     "Batch",
     "Broker",
     "Channel",
+    "ChannelBusy",
     "ChannelFull",
     "ChannelInfo",
     "ConfigurationError",

@@ -52,6 +52,16 @@ class ChannelFull(LonnyMQError):
         self.channel = channel
 
 
+class ChannelBusy(LonnyMQError):
+    """A create into a channel with a ``max_size`` waited too long for another producer of
+    that channel: producers of a limited channel take turns on its count until their
+    transactions end, and one has kept its transaction open for longer than the wait (5 s).
+
+    Nothing was written; retry, and keep transactions that create into limited channels short.
+    Channels without a ``max_size`` never wait for one another.
+    """
+
+
 class SchemaError(LonnyMQError):
     """The lonnymq schema in the database is missing, incomplete or of another version."""
 

@@ -38,6 +38,7 @@ KINDS: tuple[Kind, ...] = ("producer", "worker", "admin")
 _METADATA = ("migration", "queue", "exchange", "binding")
 _PRODUCER = (
     "message_create_v1",
+    "message_create_many_v1",
     "message_publish_v1",
     "exchange_declare_v1",
     "queue_declare_v1",
@@ -49,6 +50,7 @@ _WORKER = (
     *_PRODUCER,
     "message_dequeue_v1",
     "message_dequeue_v2",
+    "message_dequeue_v3",
     "message_ack_dequeue_v1",
     "message_reject_v1",
     "housekeep_v1",
@@ -64,6 +66,7 @@ _ADMIN = (
     *_WORKER,
     "channel_policy_set_v1",
     "channel_policy_clear_v1",
+    "channel_get_v1",
     "queue_policy_set_v1",
     "queue_purge_v1",
     "queue_delete_v1",

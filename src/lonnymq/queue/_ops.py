@@ -17,6 +17,7 @@ from psycopg import errors as pgerrors
 from psycopg import sql
 
 from ..exceptions import (
+    ChannelBusy,
     ConnectionLost,
     DatabaseError,
     InvalidArgument,
@@ -83,6 +84,8 @@ def translate(exc: Exception, schema: str) -> LonnyMQError:
             f"{str(exc).splitlines()[0]}: the database role lacks a lonnymq grant (run "
             f"`lonnymq grant producer|worker|admin ROLE --schema {schema}` as the owner)"
         )
+    if getattr(exc, "sqlstate", None) == "LM002":
+        return ChannelBusy(str(exc).splitlines()[0])
     if isinstance(exc, _SCHEMA_ERRORS):
         return SchemaNotInstalled(schema, str(exc).splitlines()[0])
     if isinstance(exc, _ARGUMENT_ERRORS):

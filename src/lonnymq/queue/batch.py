@@ -1,7 +1,8 @@
 """Batches: creates and policy changes collected, sorted into one consistent order
 (queue, queue-level first, channel, policy before messages, message name) and executed in one
-transaction and one round trip (pipeline). Because every batch locks in the same order, two
-batches never deadlock each other."""
+transaction and one round trip (pipeline). Consecutive creates go as one call
+(``message_create_many_v1``: one INSERT for the channels without a max_size). Because every
+batch locks in the same order, two batches never deadlock each other."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import psycopg
 from ..exceptions import ChannelFull, InvalidArgument
 from . import _checks
 from ._ops import Op, translate
-from .create import create_op
+from .create import CreateArgs, create_args, create_many_op
 from .policy import channel_clear_op, channel_set_op, queue_set_op
 from .results import CreateResult, Dropped
 
@@ -41,8 +42,32 @@ class Pending(Generic[T]):
 @dataclass(slots=True)
 class _Item:
     key: tuple[str, int, str, int, str, int]
-    op: Op[Any]
+    #: a policy change, or None for a create (its arguments in ``create``)
+    op: Op[Any] | None
     pending: Pending[Any]
+    create: CreateArgs | None = None
+
+
+def _calls(schema: str, items: list[_Item]) -> list[tuple[Op[Any], list[_Item]]]:
+    """The calls that run ``items`` in order: each run of consecutive creates is one call."""
+    calls: list[tuple[Op[Any], list[_Item]]] = []
+    run: list[_Item] = []
+    for item in items:
+        if item.create is not None:
+            run.append(item)
+            continue
+        if run:
+            calls.append((create_many_op(schema, [i.create for i in run if i.create]), run))
+            run = []
+        assert item.op is not None
+        calls.append((item.op, [item]))
+    if run:
+        calls.append((create_many_op(schema, [i.create for i in run if i.create]), run))
+    return calls
+
+
+def _results(items: list[_Item], value: Any) -> list[Any]:
+    return list(value) if len(items) > 1 or items[0].create is not None else [value]
 
 
 class Batch:
@@ -60,11 +85,16 @@ class Batch:
     def __len__(self) -> int:
         return len(self._items)
 
-    def _add(self, key: tuple[str, int, str, int, str], op: Op[T]) -> Pending[T]:
+    def _add(
+        self,
+        key: tuple[str, int, str, int, str],
+        op: Op[T] | None,
+        create: CreateArgs | None = None,
+    ) -> Pending[T]:
         if self._executed:
             raise InvalidArgument("this batch has already been executed; start a new one")
         pending: Pending[T] = Pending()
-        self._items.append(_Item((*key, len(self._items)), op, pending))
+        self._items.append(_Item((*key, len(self._items)), op, pending, create))
         return pending
 
     def queue(self, name: str) -> BatchQueue:
@@ -116,17 +146,18 @@ class Batch:
         items = self._ordered()
         if not items:
             return []
+        calls = _calls(self._schema, items)
         try:
             with _atomic(conn):
                 cursors = []
                 with conn.pipeline():
-                    for item in items:
+                    for op, _ in calls:
                         cur = conn.cursor()
-                        cur.execute(item.op.query, item.op.params)
+                        cur.execute(op.query, op.params)
                         cursors.append(cur)
-                results = [
-                    item.op.parse(cur.fetchall()) for item, cur in zip(items, cursors, strict=True)
-                ]
+                results = []
+                for (op, run), cur in zip(calls, cursors, strict=True):
+                    results.extend(_results(run, op.parse(cur.fetchall())))
                 self._finish(items, results, raise_if_dropped)
         except psycopg.Error as exc:
             raise translate(exc, self._schema) from exc
@@ -138,18 +169,18 @@ class Batch:
         items = self._ordered()
         if not items:
             return []
+        calls = _calls(self._schema, items)
         try:
             async with _aatomic(conn):
                 cursors = []
                 async with conn.pipeline():
-                    for item in items:
+                    for op, _ in calls:
                         cur = conn.cursor()
-                        await cur.execute(item.op.query, item.op.params)
+                        await cur.execute(op.query, op.params)
                         cursors.append(cur)
-                results = [
-                    item.op.parse(await cur.fetchall())
-                    for item, cur in zip(items, cursors, strict=True)
-                ]
+                results = []
+                for (op, run), cur in zip(calls, cursors, strict=True):
+                    results.extend(_results(run, op.parse(await cur.fetchall())))
                 self._finish(items, results, raise_if_dropped)
         except psycopg.Error as exc:
             raise translate(exc, self._schema) from exc
@@ -241,8 +272,7 @@ class BatchChannel:
         ttl_ms: float | None = None,
     ) -> Pending[CreateResult]:
         batch = self._queue._batch
-        op = create_op(
-            batch._schema,
+        args = create_args(
             self._queue.name,
             self.name,
             content,
@@ -250,10 +280,9 @@ class BatchChannel:
             delay_ms=delay_ms,
             priority=priority,
             ttl_ms=ttl_ms,
-            raise_if_dropped=False,
             max_message_bytes=batch._max_message_bytes,
         )
-        return batch._add((self._queue.name, 1, self.name, 1, name or ""), op)
+        return batch._add((self._queue.name, 1, self.name, 1, name or ""), None, args)
 
     @property
     def policy(self) -> BatchChannelPolicy:

@@ -102,6 +102,7 @@ class Broker:
         limit: int = 1,
         lock_ms: float = DEFAULT_LOCK_MS,
         ack: Sequence[Message | tuple[int, uuid.UUID]] = (),
+        listen: bool = True,
     ) -> DequeueResult:
         """Dequeue up to ``limit`` messages from ``queues`` and lock them for ``lock_ms``.
 
@@ -112,9 +113,16 @@ class Broker:
         ``ack``: held messages (or ``(id, lock_token)`` pairs) to delete first, in the same
         statement: a worker's acks travel with its next dequeue (``result.acked`` has their
         outcomes).
+
+        ``listen``: when the call gets nothing, this connection's session counts as a consumer
+        waiting on ``wake_channel`` for these queues until its next dequeue, and their
+        producers send a NOTIFY (they send none while every consumer is busy). Pass False on
+        a connection that does not wait for notifications (a pooled one, say).
         """
         held = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in ack]
-        op = dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms, ack=held)
+        op = dequeue_op(
+            self.schema, queues, limit=limit, lock_ms=lock_ms, ack=held, listen=listen
+        )
         return run(require_sync(conn), op)
 
     def delete(self, conn: Conn, message_id: int, lock_token: uuid.UUID) -> Outcome:
@@ -259,8 +267,11 @@ class Queue:
         limit: int = 1,
         lock_ms: float = DEFAULT_LOCK_MS,
         ack: Sequence[Message | tuple[int, uuid.UUID]] = (),
+        listen: bool = True,
     ) -> DequeueResult:
-        return self.broker.dequeue(conn, [self.name], limit=limit, lock_ms=lock_ms, ack=ack)
+        return self.broker.dequeue(
+            conn, [self.name], limit=limit, lock_ms=lock_ms, ack=ack, listen=listen
+        )
 
     def batch(self) -> Batch:
         """A batch whose ``channel(name)`` is a channel of this queue."""

@@ -15,6 +15,63 @@ _CREATE: LiteralString = (
 )
 
 
+_CREATE_MANY: LiteralString = (
+    "SELECT ord, result_code, message_id FROM {schema}.message_create_many_v1("
+    "%s::text[], %s::text[], %s::text[], %s::bytea[], %s::integer[], %s::bigint[], %s::bigint[])"
+)
+
+#: A create's validated arguments: queue, channel, name, content, priority, delay, ttl.
+CreateArgs = tuple[str, str, str | None, bytes, int, int, int | None]
+
+
+def create_args(
+    queue: str,
+    channel: str,
+    content: object,
+    *,
+    name: str | None = None,
+    delay_ms: float = 0,
+    priority: int = 0,
+    ttl_ms: float | None = None,
+    max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
+) -> CreateArgs:
+    """Validate a create's arguments (raises InvalidArgument, InvalidName, MessageTooLarge)."""
+    return (
+        _checks.name(queue, "queue"),
+        _checks.name(channel, "channel"),
+        _checks.optional_name(name, "message"),
+        _checks.content(content, max_message_bytes),
+        _checks.integer(priority, "priority", low=0, high=_checks.MAX_PRIORITY),
+        _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS),
+        None
+        if ttl_ms is None
+        else _checks.milliseconds(ttl_ms, "ttl_ms", low=0, high=_checks.MAX_DELAY_MS),
+    )
+
+
+def _result(code: str, message_id: int | None, queue: str, channel: str) -> CreateResult:
+    if code == "created" and message_id is not None:
+        return Created(message_id)
+    if code == "deduplicated" and message_id is not None:
+        return Deduplicated(message_id)
+    return Dropped(queue, channel)
+
+
+def create_many_op(schema: str, rows: list[CreateArgs]) -> Op[list[CreateResult]]:
+    """Many creates in one call (a batch's): one result per row, in order; refused ones are
+    :class:`Dropped` (the caller decides whether that is an error)."""
+    def parse(found: Rows) -> list[CreateResult]:
+        by_ord = {r[0]: (r[1], r[2]) for r in found}
+        out = []
+        for i, row in enumerate(rows, start=1):
+            code, message_id = by_ord[i]
+            out.append(_result(code, message_id, row[0], row[1]))
+        return out
+
+    params = tuple([row[i] for row in rows] for i in range(7))
+    return Op(schema, render(_CREATE_MANY, schema), params, parse)
+
+
 def create_op(
     schema: str,
     queue: str,
@@ -28,27 +85,21 @@ def create_op(
     raise_if_dropped: bool = True,
     max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
 ) -> Op[CreateResult]:
-    queue = _checks.name(queue, "queue")
-    channel = _checks.name(channel, "channel")
-    data = _checks.content(content, max_message_bytes)
-    name = _checks.optional_name(name, "message")
-    delay = _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS)
-    prio = _checks.integer(priority, "priority", low=0, high=_checks.MAX_PRIORITY)
-    ttl = (
-        None
-        if ttl_ms is None
-        else _checks.milliseconds(ttl_ms, "ttl_ms", low=0, high=_checks.MAX_DELAY_MS)
+    params = create_args(
+        queue,
+        channel,
+        content,
+        name=name,
+        delay_ms=delay_ms,
+        priority=priority,
+        ttl_ms=ttl_ms,
+        max_message_bytes=max_message_bytes,
     )
 
     def parse(rows: Rows) -> CreateResult:
-        code, message_id = rows[0]
-        if code == "created":
-            return Created(message_id)
-        if code == "deduplicated":
-            return Deduplicated(message_id)
-        if raise_if_dropped:
-            raise ChannelFull(queue, channel)
-        return Dropped(queue, channel)
+        result = _result(rows[0][0], rows[0][1], params[0], params[1])
+        if raise_if_dropped and isinstance(result, Dropped):
+            raise ChannelFull(params[0], params[1])
+        return result
 
-    params = (queue, channel, name, data, prio, delay, ttl)
     return Op(schema, render(_CREATE, schema), params, parse)

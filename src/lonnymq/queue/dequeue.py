@@ -22,11 +22,8 @@ _COLUMNS: LiteralString = (
     "message_state, retry_ms, event "
 )
 _DEQUEUE: LiteralString = (
-    _COLUMNS + "FROM {schema}.message_dequeue_v2(%s::text[], %s::integer, %s::bigint)"
-)
-_ACK_DEQUEUE: LiteralString = (
-    _COLUMNS + "FROM {schema}.message_ack_dequeue_v1(%s::bigint[], %s::uuid[], %s::text[], "
-    "%s::integer, %s::bigint)"
+    _COLUMNS + "FROM {schema}.message_dequeue_v3(%s::text[], %s::integer, %s::bigint, "
+    "%s::bigint[], %s::uuid[], %s::boolean)"
 )
 
 DEFAULT_LOCK_MS = 3_600_000
@@ -120,9 +117,13 @@ def dequeue_op(
     limit: int = 1,
     lock_ms: float = DEFAULT_LOCK_MS,
     ack: Sequence[tuple[int, uuid.UUID]] = (),
+    listen: bool = True,
 ) -> Op[DequeueResult]:
     """Dequeue; with ``ack`` (held messages' ids and lock tokens), delete those first, in
-    the same statement (one round trip, one transaction for both)."""
+    the same statement (one round trip, one transaction for both). With ``listen``, a call
+    that gets nothing registers the connection's session as waiting for a NOTIFY on these
+    queues until its next dequeue: their producers then send one (they send none while
+    every consumer is busy)."""
     names = _checks.queues(queues)
     count = _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT)
     lock = _checks.milliseconds(lock_ms, "lock_ms", low=1, high=_checks.MAX_LOCK_MS)
@@ -164,6 +165,5 @@ def dequeue_op(
                 )
         return DequeueResult(messages, retry_ms, dead, acked)
 
-    if ids:
-        return Op(schema, render(_ACK_DEQUEUE, schema), (ids, tokens, names, count, lock), parse)
-    return Op(schema, render(_DEQUEUE, schema), (names, count, lock), parse)
+    params = (names, count, lock, ids or None, tokens or None, bool(listen))
+    return Op(schema, render(_DEQUEUE, schema), params, parse)

@@ -1,6 +1,7 @@
 """Channel policies: max_concurrency (messages held by consumers at once) and max_size
 (messages held in all). Per (queue, channel), with a queue-wide default for channels without
-their own. Enforced inside the SQL functions, under the channel's row lock."""
+their own. Enforced inside the SQL functions, under the channel's row lock (only channels with
+a limit in force have one)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ _QUEUE_SET: LiteralString = (
     "SELECT {schema}.queue_policy_set_v1(%s::text, %s::integer, %s::integer)"
 )
 _CHANNEL_GET: LiteralString = (
-    "SELECT c.has_policy, c.own_max_concurrency, c.own_max_size, "
-    "q.max_concurrency, q.max_size, c.current_size, c.current_concurrency "
-    "FROM {schema}.queue q LEFT JOIN {schema}.channel c ON c.queue_id = q.id AND c.name = %s "
-    "WHERE q.name = %s"
+    "SELECT has_policy, own_max_concurrency, own_max_size, max_concurrency, max_size, size, "
+    "in_flight FROM {schema}.channel_get_v1(%s::text, %s::text)"
 )
 _QUEUE_GET: LiteralString = "SELECT max_concurrency, max_size FROM {schema}.queue WHERE name = %s"
 
@@ -80,7 +79,7 @@ def queue_set_op(schema: str, queue: str, max_concurrency: object, max_size: obj
 
 
 def channel_get_op(schema: str, queue: str, channel: str) -> Op[ChannelInfo]:
-    params = (_checks.name(channel, "channel"), _checks.name(queue, "queue"))
+    params = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
 
     def parse(rows: Rows) -> ChannelInfo:
         if not rows:

@@ -1,0 +1,2917 @@
+-- lonnymq migration 5: no producer or consumer waits on a shared row, and no scan walks what
+-- was consumed before (docs/design.md, "The hot path").
+--
+-- * A message is keyed by its queue and channel names: a create is one INSERT (no channel or
+--   queue row to lock, or to create first); channel rows remain only where a limit needs an
+--   exact count (max_size, max_concurrency), and only those channels' producers and acks take
+--   turns on them.
+-- * Consumers keep the round-robin in lanes (append-only versions, one live per channel: its
+--   turn and, per priority, where its ready messages start), written by the consumer that owns
+--   the lane for a dequeue (an advisory key; the others serve it without writing it) and by the
+--   ingest, which one consumer at a time runs on what committed since its snapshot (so a
+--   producer's late commit is never passed over). Counts are insert-only tallies folded once a
+--   second; the gauges derive from them.
+-- * NOTIFY only when a consumer sleeps (it holds the queue's 'sleep' key).
+-- * Every function keeps its name, arguments and results: workers of version 4 still running
+--   go on working (they are served by the new implementation). message_dequeue_v3 (acks,
+--   and whether the caller listens) and message_create_many_v1 (batches in one statement) are
+--   new; message_bury_v1 returns other columns.
+--
+-- The messages are moved with their ids, locks and tokens; ready and delayed ones are
+-- ingested by the first dequeue after the upgrade (not counted as enqueued again). Counters
+-- are kept; the channels' gauges are what they hold.
+
+-- 1. What version 4 had and version 5 has not (or with other results).
+DROP FUNCTION {schema}.channel_take_v1(bigint, integer, timestamptz);
+DROP FUNCTION {schema}.channel_waiting_v1({schema}.channel);
+DROP FUNCTION {schema}.channel_next_due_v1(bigint);
+DROP FUNCTION {schema}.channel_store_v1({schema}.channel, {schema}.channel, boolean);
+DROP FUNCTION {schema}.channel_lock_v1(integer, text);
+DROP FUNCTION {schema}.channel_release_v1(bigint, integer, timestamptz, integer, text);
+DROP FUNCTION {schema}.queue_retry_ms_v1(integer[]);
+DROP FUNCTION {schema}.message_bury_v1(bigint[], text);
+
+-- 2. The old tables make way.
+ALTER TABLE {schema}.message RENAME TO message_v4;
+ALTER SEQUENCE {schema}.message_id_seq RENAME TO message_v4_id_seq;
+ALTER TABLE {schema}.message_v4 RENAME CONSTRAINT message_pkey TO message_v4_pkey;
+ALTER INDEX {schema}.message_ready_idx RENAME TO message_v4_ready_idx;
+ALTER INDEX {schema}.message_locked_idx RENAME TO message_v4_locked_idx;
+ALTER INDEX {schema}.message_name_idx RENAME TO message_v4_name_idx;
+ALTER INDEX {schema}.message_expires_idx RENAME TO message_v4_expires_idx;
+ALTER TABLE {schema}.channel RENAME TO channel_v4;
+ALTER SEQUENCE {schema}.channel_id_seq RENAME TO channel_v4_id_seq;
+ALTER TABLE {schema}.channel_v4 RENAME CONSTRAINT channel_pkey TO channel_v4_pkey;
+ALTER TABLE {schema}.channel_v4 RENAME CONSTRAINT channel_queue_id_name_key TO channel_v4_queue_id_name_key;
+ALTER INDEX {schema}.channel_waiting_idx RENAME TO channel_v4_waiting_idx;
+ALTER TABLE {schema}.counter RENAME TO counter_v4;
+
+-- 3. Names compare byte by byte ("C") wherever they meet.
+ALTER TABLE {schema}.queue ALTER COLUMN name TYPE text COLLATE "C";
+ALTER TABLE {schema}.binding ALTER COLUMN queue TYPE text COLLATE "C";
+ALTER TABLE {schema}.dead_message ALTER COLUMN queue TYPE text COLLATE "C",
+    ALTER COLUMN channel TYPE text COLLATE "C";
+
+-- 4. The new tables.
+-- Channels with a policy of their own, or with a limit in force (their own or the queue's
+-- default): the exact counts the limits need. current_size counts the channel's messages
+-- marked `sized` (created while a max_size applied, or held when one was set),
+-- current_concurrency its messages marked `slotted` (locked while a max_concurrency applied).
+-- `freed`: a slot came free while the channel was at its max_concurrency; the ingest gives
+-- its lane a turn again.
+CREATE TABLE {schema}.channel (
+    queue text COLLATE "C" NOT NULL,
+    name text COLLATE "C" NOT NULL CHECK (length(name) BETWEEN 1 AND 255),
+    has_policy boolean NOT NULL DEFAULT false,
+    own_max_concurrency integer CHECK (own_max_concurrency >= 0),
+    own_max_size integer CHECK (own_max_size >= 0),
+    current_size integer NOT NULL DEFAULT 0 CHECK (current_size >= 0),
+    current_concurrency integer NOT NULL DEFAULT 0 CHECK (current_concurrency >= 0),
+    freed boolean NOT NULL DEFAULT false,
+    PRIMARY KEY (queue, name)
+);
+
+CREATE INDEX channel_freed_idx ON {schema}.channel (queue, name) WHERE freed;
+
+CREATE TABLE {schema}.message (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue text COLLATE "C" NOT NULL,
+    channel text COLLATE "C" NOT NULL,
+    priority smallint NOT NULL DEFAULT 0 CHECK (priority BETWEEN 0 AND 255),
+    attempts integer NOT NULL DEFAULT 0,
+    -- how it became ready in the transaction txid: 0 created, 1 deferred or requeued,
+    -- 2 made due now by an operator
+    arrival smallint NOT NULL DEFAULT 0,
+    -- counted in its channel row's current_size / current_concurrency
+    sized boolean NOT NULL DEFAULT false,
+    slotted boolean NOT NULL DEFAULT false,
+    txid xid8 NOT NULL,
+    dequeue_at timestamptz NOT NULL,
+    locked_until timestamptz,
+    lock_token uuid,
+    expires_at timestamptz,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    name text CHECK (length(name) BETWEEN 1 AND 255),
+    content bytea NOT NULL,
+    state bytea
+);
+
+-- Unlocked messages of a channel in the order they are handed out. Read from a lane's
+-- position per priority, never from the start.
+CREATE INDEX message_ready_idx ON {schema}.message (queue, channel, priority DESC, dequeue_at, id)
+    WHERE locked_until IS NULL;
+-- What became ready, by transaction: the ingest reads what committed since its snapshot.
+CREATE INDEX message_txid_idx ON {schema}.message (txid) WHERE locked_until IS NULL;
+-- Locked messages of a queue, by lock expiry. Read from the queue's lock position.
+CREATE INDEX message_locked_idx ON {schema}.message (queue, locked_until)
+    WHERE locked_until IS NOT NULL;
+-- De-duplication: one never-dequeued message per (queue, channel, name).
+CREATE UNIQUE INDEX message_name_idx ON {schema}.message (queue, channel, name)
+    WHERE name IS NOT NULL AND attempts = 0;
+-- Messages with a time to live, soonest expiry first.
+CREATE INDEX message_expires_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
+
+-- The ingest's position: append-only, the row with the highest id is the current one (read
+-- with a backward scan of the primary key, so superseded rows are never walked). `snap`:
+-- every message that became ready in a transaction visible in it has been ingested.
+-- `folded`: the tallies of the transactions visible in it are in channel_count/queue_count.
+-- Per queue (parallel arrays, queues sorted): turn_from, no live lane turn is earlier;
+-- lock_from, no live lock of the queue expired before it without being handled; lock_next,
+-- a hint of the next lock expiry.
+CREATE TABLE {schema}.discovery (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    snap pg_snapshot NOT NULL,
+    folded pg_snapshot NOT NULL,
+    taken_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    folded_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    queues text[] COLLATE "C" NOT NULL DEFAULT '{{}}',
+    turn_from timestamptz[] NOT NULL DEFAULT '{{}}',
+    lock_from timestamptz[] NOT NULL DEFAULT '{{}}',
+    lock_next timestamptz[] NOT NULL DEFAULT '{{}}',
+    expire_from timestamptz NOT NULL DEFAULT '-infinity'
+);
+
+INSERT INTO {schema}.discovery (snap, folded) VALUES (pg_current_snapshot(), pg_current_snapshot());
+
+-- A channel's lane: append-only versions, the one with the highest id per (queue, channel)
+-- is live (the others are deleted when superseded). turn_at: when it is the lane's turn
+-- (NULL: nothing to hand out, or at max_concurrency); served_at: when a dequeue last took
+-- from it. prios/pos_at/pos_id: per priority present, where its ready messages start (in
+-- message_ready_idx order); nothing ready of that priority lies before it except what the
+-- ingest has yet to see (the ingest lowers it). limited: a max_concurrency applies.
+CREATE TABLE {schema}.lane (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    queue text COLLATE "C" NOT NULL,
+    channel text COLLATE "C" NOT NULL,
+    turn_at timestamptz,
+    served_at timestamptz NOT NULL DEFAULT '-infinity',
+    written_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    limited boolean NOT NULL DEFAULT false,
+    prios smallint[] NOT NULL DEFAULT '{{}}',
+    pos_at timestamptz[] NOT NULL DEFAULT '{{}}',
+    pos_id bigint[] NOT NULL DEFAULT '{{}}'
+);
+
+CREATE INDEX lane_latest_idx ON {schema}.lane (queue, channel, id DESC);
+CREATE INDEX lane_turn_idx ON {schema}.lane (queue, turn_at, id) WHERE turn_at IS NOT NULL;
+
+-- Event counts, insert-only (one row per call and channel), folded by the ingest into
+-- channel_count; what is not folded yet is read by txid.
+CREATE TABLE {schema}.tally (
+    txid xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    queue text COLLATE "C" NOT NULL,
+    channel text COLLATE "C" NOT NULL,
+    enqueued integer NOT NULL DEFAULT 0,
+    delivered integer NOT NULL DEFAULT 0,
+    redelivered integer NOT NULL DEFAULT 0,
+    acked integer NOT NULL DEFAULT 0,
+    deferred integer NOT NULL DEFAULT 0,
+    dead integer NOT NULL DEFAULT 0,
+    dead_held integer NOT NULL DEFAULT 0,
+    expired integer NOT NULL DEFAULT 0,
+    dropped integer NOT NULL DEFAULT 0,
+    removed integer NOT NULL DEFAULT 0,
+    removed_held integer NOT NULL DEFAULT 0,
+    purged integer NOT NULL DEFAULT 0
+);
+
+CREATE INDEX tally_txid_idx ON {schema}.tally (txid);
+
+-- Folded counts per channel that holds or held messages since it was last empty; a channel
+-- left empty (and without a policy) moves its counts to queue_count. Gauges derive from them:
+-- size = enqueued - acked - dead - expired - removed - purged,
+-- in flight = delivered - redelivered - acked - deferred - dead_held - removed_held.
+CREATE TABLE {schema}.channel_count (
+    queue text COLLATE "C" NOT NULL,
+    channel text COLLATE "C" NOT NULL,
+    enqueued bigint NOT NULL DEFAULT 0,
+    delivered bigint NOT NULL DEFAULT 0,
+    redelivered bigint NOT NULL DEFAULT 0,
+    acked bigint NOT NULL DEFAULT 0,
+    deferred bigint NOT NULL DEFAULT 0,
+    dead bigint NOT NULL DEFAULT 0,
+    dead_held bigint NOT NULL DEFAULT 0,
+    expired bigint NOT NULL DEFAULT 0,
+    dropped bigint NOT NULL DEFAULT 0,
+    removed bigint NOT NULL DEFAULT 0,
+    removed_held bigint NOT NULL DEFAULT 0,
+    purged bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (queue, channel)
+);
+
+-- The counts of a queue's channels that emptied.
+CREATE TABLE {schema}.queue_count (
+    queue text COLLATE "C" PRIMARY KEY,
+    enqueued bigint NOT NULL DEFAULT 0,
+    delivered bigint NOT NULL DEFAULT 0,
+    redelivered bigint NOT NULL DEFAULT 0,
+    acked bigint NOT NULL DEFAULT 0,
+    deferred bigint NOT NULL DEFAULT 0,
+    dead bigint NOT NULL DEFAULT 0,
+    dead_held bigint NOT NULL DEFAULT 0,
+    expired bigint NOT NULL DEFAULT 0,
+    dropped bigint NOT NULL DEFAULT 0,
+    removed bigint NOT NULL DEFAULT 0,
+    removed_held bigint NOT NULL DEFAULT 0,
+    purged bigint NOT NULL DEFAULT 0
+);
+
+-- Storage: the hot tables churn; leave room on each page for updated row versions (HOT
+-- updates), and let autovacuum, where it runs, visit them early.
+ALTER TABLE {schema}.message SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_insert_scale_factor = 0.01);
+ALTER TABLE {schema}.lane SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000);
+ALTER TABLE {schema}.discovery SET (autovacuum_vacuum_scale_factor = 0.0,
+    autovacuum_vacuum_threshold = 1000);
+ALTER TABLE {schema}.tally SET (autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 1000);
+ALTER TABLE {schema}.channel SET (fillfactor = 70);
+ALTER TABLE {schema}.channel_count SET (fillfactor = 70);
+
+-- 5. The data. Messages keep their ids, locks and tokens; they became ready in this
+--    transaction (the first ingest after it takes them), as requeued ones (arrival 1: not
+--    counted as created again). A message counts on its channel row where a limit is in force.
+INSERT INTO {schema}.message
+    (id, queue, channel, priority, attempts, arrival, sized, slotted, txid, dequeue_at,
+     locked_until, lock_token, expires_at, created_at, name, content, state)
+OVERRIDING SYSTEM VALUE
+SELECT m.id, q.name, c.name, m.priority, m.attempts, 1, c.max_size IS NOT NULL,
+       m.locked_until IS NOT NULL AND c.max_concurrency IS NOT NULL, pg_current_xact_id(),
+       m.dequeue_at, m.locked_until, m.lock_token, m.expires_at, m.created_at, m.name,
+       m.content, m.state
+FROM {schema}.message_v4 m
+JOIN {schema}.channel_v4 c ON c.id = m.channel_id
+JOIN {schema}.queue q ON q.id = m.queue_id
+ORDER BY m.id;
+SELECT setval('{schema}.message_id_seq', s.last_value, s.is_called)
+FROM {schema}.message_v4_id_seq s;
+
+INSERT INTO {schema}.channel
+    (queue, name, has_policy, own_max_concurrency, own_max_size, current_size,
+     current_concurrency)
+SELECT q.name, c.name, c.has_policy, c.own_max_concurrency, c.own_max_size,
+       (SELECT count(*) FROM {schema}.message m WHERE m.queue = q.name AND m.channel = c.name
+          AND m.sized),
+       (SELECT count(*) FROM {schema}.message m WHERE m.queue = q.name AND m.channel = c.name
+          AND m.slotted)
+FROM {schema}.channel_v4 c JOIN {schema}.queue q ON q.id = c.queue_id
+WHERE c.has_policy OR c.max_size IS NOT NULL OR c.max_concurrency IS NOT NULL;
+
+-- the counters as they were; the hidden ones (removed) such that the gauges derived from them
+-- are what each channel holds
+INSERT INTO {schema}.channel_count
+    (queue, channel, enqueued, delivered, acked, deferred, dead, expired, dropped, removed,
+     removed_held)
+SELECT q.name, c.name, c.n_enqueued, c.n_delivered, c.n_acked, c.n_deferred, c.n_dead,
+       c.n_expired, c.n_dropped,
+       c.n_enqueued - c.n_acked - c.n_dead - c.n_expired - s.size,
+       c.n_delivered - c.n_acked - c.n_deferred - s.in_flight
+FROM {schema}.channel_v4 c JOIN {schema}.queue q ON q.id = c.queue_id
+CROSS JOIN LATERAL (
+    SELECT count(*) AS size, count(*) FILTER (WHERE m.locked_until IS NOT NULL) AS in_flight
+    FROM {schema}.message_v4 m WHERE m.channel_id = c.id
+) AS s;
+
+INSERT INTO {schema}.queue_count
+    (queue, enqueued, delivered, redelivered, acked, deferred, dead, expired, dropped)
+SELECT q.name, sum(x.enqueued), sum(x.delivered), sum(x.redelivered), sum(x.acked),
+       sum(x.deferred), sum(x.dead), sum(x.expired), sum(x.dropped)
+FROM {schema}.counter_v4 x JOIN {schema}.queue q ON q.id = x.queue_id
+GROUP BY q.name;
+
+-- who could read the messages (admins) can read the new tables
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole::text AS role
+        FROM pg_catalog.pg_class c
+        CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+        WHERE c.oid = '{schema}.message_v4'::regclass AND a.privilege_type = 'SELECT'
+          AND a.grantee <> c.relowner AND a.grantee <> 0
+    LOOP
+        EXECUTE format('GRANT SELECT ON %s, %s, %s, %s, %s, %s, %s TO %s',
+            '{schema}.message'::regclass, '{schema}.channel'::regclass,
+            '{schema}.lane'::regclass, '{schema}.tally'::regclass,
+            '{schema}.discovery'::regclass, '{schema}.channel_count'::regclass,
+            '{schema}.queue_count'::regclass, r.role);
+    END LOOP;
+END;
+$$;
+
+DROP TABLE {schema}.message_v4, {schema}.channel_v4, {schema}.counter_v4;
+
+-- 6. The functions (CREATE OR REPLACE keeps the grants of those that were there).
+
+-- ---------------------------------------------------------------------------------------------
+-- Keys and small helpers
+-- ---------------------------------------------------------------------------------------------
+
+-- The advisory lock key of a lane: held (transaction lock) by the dequeue that owns the lane
+-- for its call, and by the ingest and the policy changes that rewrite it.
+CREATE OR REPLACE FUNCTION {schema}.lane_key_v1(p_queue text, p_channel text) RETURNS bigint
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT hashtextextended({lock_prefix} || 'lane:' || p_queue || chr(31) || p_channel, 0)
+$$;
+
+-- Keys of a queue: 'produce' is held shared by every producer transaction of the queue until
+-- it ends; 'sleep' is held shared (session lock) by consumers that found nothing and wait for
+-- a NOTIFY. Neither is ever waited for by a producer.
+CREATE OR REPLACE FUNCTION {schema}.queue_key_v1(p_kind text, p_queue text) RETURNS bigint
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT hashtextextended({lock_prefix} || p_kind || ':' || p_queue, 0)
+$$;
+
+-- Wake consumers of a queue that sleep (they hold its 'sleep' key): NOTIFY only then, so a
+-- busy queue's producers pay no NOTIFY (each costs a database-wide lock at commit).
+CREATE OR REPLACE FUNCTION {schema}.wake_v1(p_queue text) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_key bigint := {schema}.queue_key_v1('sleep', p_queue);
+BEGIN
+    IF pg_try_advisory_lock(v_key) THEN
+        PERFORM pg_advisory_unlock(v_key);
+    ELSE
+        PERFORM pg_notify({wake}, p_queue);
+    END IF;
+END;
+$$;
+
+-- The id of a queue, created on first use.
+CREATE OR REPLACE FUNCTION {schema}.queue_ensure_v1(p_queue text) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id integer;
+BEGIN
+    SELECT q.id INTO v_id FROM {schema}.queue q WHERE q.name = p_queue;
+    IF v_id IS NULL THEN
+        INSERT INTO {schema}.queue (name) VALUES (p_queue)
+        ON CONFLICT (name) DO NOTHING
+        RETURNING id INTO v_id;
+        IF v_id IS NULL THEN
+            SELECT q.id INTO v_id FROM {schema}.queue q WHERE q.name = p_queue;
+        END IF;
+    END IF;
+    RETURN v_id;
+END;
+$$;
+
+-- The limits in force for a channel: its own policy, else the queue's default.
+CREATE OR REPLACE FUNCTION {schema}.channel_limits_v1(
+    p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer
+)
+LANGUAGE sql STABLE AS $$
+    SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
+           CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel
+$$;
+
+-- A lane's live version (NULL when the channel has none).
+CREATE OR REPLACE FUNCTION {schema}.lane_get_v1(p_queue text, p_channel text) RETURNS {schema}.lane
+LANGUAGE sql STABLE AS $$
+    SELECT l FROM {schema}.lane l WHERE l.queue = p_queue AND l.channel = p_channel
+    ORDER BY l.id DESC LIMIT 1
+$$;
+
+-- Replace a lane's version by a new one: the old row is deleted, the new one inserted (so a
+-- read of the latest version never walks superseded ones). The caller holds the lane's key.
+CREATE OR REPLACE FUNCTION {schema}.lane_put_v1(p_old_id bigint, p_new {schema}.lane) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_old_id IS NOT NULL THEN
+        DELETE FROM {schema}.lane WHERE id = p_old_id;
+    END IF;
+    INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at, pos_id)
+    VALUES (p_new.queue, p_new.channel, p_new.turn_at, p_new.served_at, p_new.limited,
+            p_new.prios, p_new.pos_at, p_new.pos_id);
+END;
+$$;
+
+-- A lane's positions tightened to its first message per priority (ready or delayed, ingested,
+-- not locked by a committed dequeue; one locked by a dequeue still running counts, so that no
+-- position passes a message that such a dequeue may still give back), the priorities that
+-- still have one, and when the first of them falls due (NULL: none).
+CREATE OR REPLACE FUNCTION {schema}.lane_next_v1(
+    p_lane {schema}.lane, p_snap pg_snapshot, OUT next_at timestamptz, OUT prios smallint[],
+    OUT pos_at timestamptz[], OUT pos_id bigint[]
+)
+LANGUAGE sql STABLE AS $$
+    SELECT min(n.dequeue_at),
+           coalesce(array_agg(p.prio ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}'),
+           coalesce(array_agg(n.dequeue_at ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}'),
+           coalesce(array_agg(n.id ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}')
+    FROM unnest(p_lane.prios, p_lane.pos_at, p_lane.pos_id) AS p(prio, at, pid)
+    LEFT JOIN LATERAL (
+        SELECT m.dequeue_at, m.id FROM {schema}.message m
+        WHERE m.queue = p_lane.queue AND m.channel = p_lane.channel AND m.locked_until IS NULL
+          AND m.priority = p.prio AND (m.dequeue_at, m.id) >= (p.at, p.pid)
+          AND pg_visible_in_snapshot(m.txid, p_snap)
+        ORDER BY m.priority DESC, m.dequeue_at, m.id
+        LIMIT 1
+    ) AS n ON true
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Limits: the channel rows
+-- ---------------------------------------------------------------------------------------------
+
+-- Give back what removed (or unlocked) messages held on their channel row: p_sized messages
+-- of its current_size, p_slotted of its current_concurrency. A slot freed in a channel at its
+-- max_concurrency gives its lane a turn again: at once when the lane is free, else by the
+-- next ingest (`freed`). A row left with nothing to count and no policy is deleted.
+CREATE OR REPLACE FUNCTION {schema}.channel_give_back_v1(
+    p_queue text, p_channel text, p_sized integer, p_slotted integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_row {schema}.channel;
+    v_max integer;
+    v_lane {schema}.lane;
+    v_next record;
+    v_d {schema}.discovery;
+BEGIN
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_row.current_size := GREATEST(0, v_row.current_size - p_sized);
+    IF p_slotted > 0 THEN
+        SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
+        IF v_max IS NOT NULL AND v_row.current_concurrency >= v_max
+           AND v_row.current_concurrency - p_slotted < v_max THEN
+            -- it was saturated: its lane gets a turn again
+            IF pg_try_advisory_xact_lock({schema}.lane_key_v1(p_queue, p_channel)) THEN
+                v_lane := {schema}.lane_get_v1(p_queue, p_channel);
+                IF v_lane.id IS NOT NULL AND v_lane.turn_at IS NULL THEN
+                    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+                    SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_d.snap);
+                    IF v_next.next_at IS NOT NULL THEN
+                        v_lane.turn_at := GREATEST(v_next.next_at, v_lane.served_at,
+                            clock_timestamp() - interval '1 millisecond');
+                        PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
+                    END IF;
+                END IF;
+            ELSE
+                v_row.freed := true;
+            END IF;
+            PERFORM {schema}.wake_v1(p_queue);
+        END IF;
+        v_row.current_concurrency := GREATEST(0, v_row.current_concurrency - p_slotted);
+    END IF;
+    IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
+       AND NOT v_row.freed THEN
+        DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
+    ELSE
+        UPDATE {schema}.channel c SET
+            current_size = v_row.current_size,
+            current_concurrency = v_row.current_concurrency,
+            freed = v_row.freed
+        WHERE c.queue = p_queue AND c.name = p_channel;
+    END IF;
+END;
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Create
+-- ---------------------------------------------------------------------------------------------
+
+-- Create a message in a channel with a max_size in force: producers of that channel take
+-- turns on its row (until their transactions end). A producer waits at most 5 s for another
+-- one's open transaction, then fails with SQLSTATE LM002 (lonnymq.ChannelBusy).
+CREATE OR REPLACE FUNCTION {schema}.message_create_sized_v1(
+    p_queue text, p_channel text, p_name text, p_content bytea, p_priority integer,
+    p_delay_ms bigint, p_ttl_ms bigint, OUT result_code text, OUT message_id bigint
+)
+LANGUAGE plpgsql SET lock_timeout = '5s' AS $$
+DECLARE
+    v_row {schema}.channel;
+    v_max integer;
+    v_at timestamptz;
+BEGIN
+    BEGIN
+        LOOP
+            SELECT * INTO v_row FROM {schema}.channel c
+            WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+            EXIT WHEN FOUND;
+            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+            ON CONFLICT DO NOTHING;
+        END LOOP;
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION USING ERRCODE = 'LM002',
+            MESSAGE = format('channel %L of queue %L has a max_size, and another transaction '
+                             'creating in it has been open for more than 5 s', p_channel, p_queue),
+            HINT = 'producers of a channel with a max_size take turns until they commit: keep '
+                   'their transactions short';
+    END;
+    -- the limit now that the row is ours (a policy may have changed meanwhile)
+    SELECT l.max_size INTO v_max FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
+    IF p_name IS NOT NULL THEN
+        SELECT m.id INTO message_id FROM {schema}.message m
+        WHERE m.queue = p_queue AND m.channel = p_channel AND m.name = p_name AND m.attempts = 0;
+        IF message_id IS NOT NULL THEN
+            result_code := 'deduplicated';
+            RETURN;
+        END IF;
+    END IF;
+    IF v_max IS NOT NULL AND v_row.current_size >= v_max THEN
+        result_code := 'dropped';
+        INSERT INTO {schema}.tally (queue, channel, dropped) VALUES (p_queue, p_channel, 1);
+        -- a row created by this call and left empty must not linger
+        IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
+           AND NOT v_row.freed THEN
+            DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
+        END IF;
+        RETURN;
+    END IF;
+    v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';
+    INSERT INTO {schema}.message
+        (queue, channel, priority, sized, txid, dequeue_at, expires_at, name, content)
+    VALUES (p_queue, p_channel, p_priority, v_max IS NOT NULL, pg_current_xact_id(), v_at,
+            v_at + p_ttl_ms * interval '1 millisecond', p_name, p_content)
+    RETURNING id INTO message_id;
+    IF v_max IS NOT NULL THEN
+        UPDATE {schema}.channel c SET current_size = c.current_size + 1
+        WHERE c.queue = p_queue AND c.name = p_channel;
+    ELSIF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
+          AND NOT v_row.freed THEN
+        DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
+    END IF;
+    result_code := 'created';
+END;
+$$;
+
+-- Create a message. result_code: 'created', 'deduplicated' (message_id is the existing one)
+-- or 'dropped' (the channel is at max_size). p_ttl_ms (NULL: none): the message is dropped
+-- if not dequeued within that time after it is due. In a channel without a max_size it is
+-- one INSERT: no row is locked, so no other producer waits for this transaction (one with
+-- the same de-duplication name waits for it, as for any unique key).
+CREATE OR REPLACE FUNCTION {schema}.message_create_v1(
+    p_queue text,
+    p_channel text,
+    p_name text,
+    p_content bytea,
+    p_priority integer,
+    p_delay_ms bigint,
+    p_ttl_ms bigint,
+    OUT result_code text,
+    OUT message_id bigint
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_max_size integer;
+    v_at timestamptz;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared({schema}.queue_key_v1('produce', p_queue));
+    SELECT CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END INTO v_max_size
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
+    IF v_max_size IS NOT NULL THEN
+        SELECT s.result_code, s.message_id INTO result_code, message_id
+        FROM {schema}.message_create_sized_v1(p_queue, p_channel, p_name, p_content,
+            p_priority, p_delay_ms, p_ttl_ms) AS s;
+        IF result_code = 'created' THEN
+            PERFORM {schema}.wake_v1(p_queue);
+        END IF;
+        RETURN;
+    END IF;
+    LOOP
+        v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';
+        INSERT INTO {schema}.message (queue, channel, priority, txid, dequeue_at, expires_at, name, content)
+        VALUES (p_queue, p_channel, p_priority, pg_current_xact_id(), v_at,
+                v_at + p_ttl_ms * interval '1 millisecond', p_name, p_content)
+        ON CONFLICT (queue, channel, name) WHERE name IS NOT NULL AND attempts = 0 DO NOTHING
+        RETURNING id INTO message_id;
+        EXIT WHEN message_id IS NOT NULL;
+        SELECT m.id INTO message_id FROM {schema}.message m
+        WHERE m.queue = p_queue AND m.channel = p_channel AND m.name = p_name AND m.attempts = 0;
+        IF message_id IS NOT NULL THEN
+            result_code := 'deduplicated';
+            RETURN;
+        END IF;
+        -- the other one was dequeued meanwhile: create after all
+    END LOOP;
+    result_code := 'created';
+    PERFORM {schema}.wake_v1(p_queue);
+END;
+$$;
+
+-- Create many messages (a batch) in as few statements as the semantics allow. Rows of
+-- channels with a max_size in force go first, one by one through message_create_sized_v1 in
+-- (queue, channel, name) order (concurrent batches lock channel rows in one order); the
+-- others are one INSERT, in (queue, channel, name) order too (de-duplication waits come in
+-- one order), their ids drawn beforehand in input order. A later row with the name of an
+-- earlier one of its channel is 'deduplicated'. One result per input row, by its position.
+CREATE OR REPLACE FUNCTION {schema}.message_create_many_v1(
+    p_queues text[], p_channels text[], p_names text[], p_contents bytea[],
+    p_priorities integer[], p_delays bigint[], p_ttls bigint[]
+)
+RETURNS TABLE (ord integer, result_code text, message_id bigint)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_queue text;
+    v_sized integer[];
+    v_codes text[];
+    v_ids bigint[];
+    v_n integer[];
+    v_id bigint[];
+    v_made boolean[];
+    r record;
+    i integer;
+BEGIN
+    IF coalesce(cardinality(p_queues), 0) = 0 THEN
+        RETURN;
+    END IF;
+    v_codes := array_fill(NULL::text, ARRAY[cardinality(p_queues)]);
+    v_ids := array_fill(NULL::bigint, ARRAY[cardinality(p_queues)]);
+    FOR v_queue IN SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) ORDER BY u.q LOOP
+        PERFORM pg_advisory_xact_lock_shared({schema}.queue_key_v1('produce', v_queue));
+    END LOOP;
+    v_sized := ARRAY(
+        SELECT i.n FROM unnest(p_queues, p_channels) WITH ORDINALITY AS i(q, c, n)
+        CROSS JOIN LATERAL {schema}.channel_limits_v1(i.q, i.c) AS l
+        WHERE l.max_size IS NOT NULL
+    );
+    FOR r IN
+        SELECT i.n, i.q, i.c, i.name, i.content, i.prio, i.delay, i.ttl
+        FROM unnest(p_queues, p_channels, p_names, p_contents, p_priorities, p_delays, p_ttls)
+            WITH ORDINALITY AS i(q, c, name, content, prio, delay, ttl, n)
+        WHERE i.n = ANY (v_sized)
+        ORDER BY i.q, i.c, i.name NULLS FIRST, i.n
+    LOOP
+        SELECT s.result_code, s.message_id INTO v_codes[r.n], v_ids[r.n]
+        FROM {schema}.message_create_sized_v1(r.q, r.c, r.name, r.content, r.prio, r.delay,
+            r.ttl) AS s;
+    END LOOP;
+    WITH input AS (
+        SELECT i.n, i.q, i.c, i.name, i.content, i.prio,
+               nextval('{schema}.message_id_seq') AS id,
+               clock_timestamp() + i.delay * interval '1 millisecond' AS at, i.ttl
+        FROM unnest(p_queues, p_channels, p_names, p_contents, p_priorities, p_delays, p_ttls)
+            WITH ORDINALITY AS i(q, c, name, content, prio, delay, ttl, n)
+        WHERE i.n <> ALL (v_sized)
+    ), made AS (
+        INSERT INTO {schema}.message
+            (id, queue, channel, priority, txid, dequeue_at, expires_at, name, content)
+        OVERRIDING SYSTEM VALUE
+        SELECT x.id, x.q, x.c, x.prio, pg_current_xact_id(), x.at,
+               x.at + x.ttl * interval '1 millisecond', x.name, x.content
+        FROM input x ORDER BY x.q, x.c, x.name NULLS FIRST, x.n
+        ON CONFLICT (queue, channel, name) WHERE name IS NOT NULL AND attempts = 0 DO NOTHING
+        RETURNING id
+    )
+    SELECT array_agg(x.n ORDER BY x.n), array_agg(x.id ORDER BY x.n),
+           array_agg(m.id IS NOT NULL ORDER BY x.n)
+    INTO v_n, v_id, v_made
+    FROM input x LEFT JOIN made m ON m.id = x.id;
+    FOR i IN 1 .. coalesce(cardinality(v_n), 0) LOOP
+        IF v_made[i] THEN
+            v_codes[v_n[i]] := 'created';
+            v_ids[v_n[i]] := v_id[i];
+        END IF;
+    END LOOP;
+    -- the others were de-duplicated: by the waiting message of their name (created before,
+    -- or earlier in this batch, which this statement sees)
+    FOR r IN
+        SELECT u.n, e.id
+        FROM unnest(v_n, v_made) AS u(n, made)
+        LEFT JOIN LATERAL (
+            SELECT m.id FROM {schema}.message m
+            WHERE m.queue = p_queues[u.n] AND m.channel = p_channels[u.n]
+              AND m.name = p_names[u.n] AND m.attempts = 0
+        ) AS e ON true
+        WHERE NOT u.made
+    LOOP
+        IF r.id IS NOT NULL THEN
+            v_codes[r.n] := 'deduplicated';
+            v_ids[r.n] := r.id;
+        ELSE
+            -- the one of that name was dequeued meanwhile: create after all
+            SELECT c.result_code, c.message_id INTO v_codes[r.n], v_ids[r.n]
+            FROM {schema}.message_create_v1(p_queues[r.n], p_channels[r.n], p_names[r.n],
+                p_contents[r.n], p_priorities[r.n], p_delays[r.n], p_ttls[r.n]) AS c;
+        END IF;
+    END LOOP;
+    FOR v_queue IN
+        SELECT DISTINCT u.q FROM unnest(p_queues, v_codes) AS u(q, code)
+        WHERE u.code = 'created' ORDER BY u.q
+    LOOP
+        PERFORM {schema}.wake_v1(v_queue);
+    END LOOP;
+    RETURN QUERY SELECT u.n::integer, u.code, u.id
+        FROM unnest(v_codes, v_ids) WITH ORDINALITY AS u(code, id, n) ORDER BY u.n;
+END;
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Ingest
+-- ---------------------------------------------------------------------------------------------
+
+-- Positions merged: per priority, the earlier of the old and the new (p_* are the new ones).
+CREATE OR REPLACE FUNCTION {schema}.positions_merge_v1(
+    p_lane {schema}.lane, p_prios smallint[], p_at timestamptz[], p_id bigint[],
+    OUT prios smallint[], OUT pos_at timestamptz[], OUT pos_id bigint[]
+)
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT array_agg(x.prio ORDER BY x.prio DESC), array_agg(x.at ORDER BY x.prio DESC),
+           array_agg(x.pid ORDER BY x.prio DESC)
+    FROM (
+        SELECT DISTINCT ON (u.prio) u.prio, u.at, u.pid
+        FROM (
+            SELECT * FROM unnest(p_lane.prios, p_lane.pos_at, p_lane.pos_id) AS o(prio, at, pid)
+            UNION ALL
+            SELECT * FROM unnest(p_prios, p_at, p_id) AS n(prio, at, pid)
+        ) AS u
+        ORDER BY u.prio, u.at, u.pid
+    ) AS x
+$$;
+
+-- Ingest what became ready in transactions that committed since the last snapshot (new
+-- messages, deferred and requeued ones): give their lanes a turn, or an earlier one, and lower
+-- the lanes' positions to them; count the created ones; give a turn back to lanes whose
+-- channel got a slot back (`freed`); advance the scan positions of p_queues; fold the tallies
+-- (at most once a second). One caller at a time (advisory lock): with p_wait it waits for the
+-- current one, else it returns the latest state. Consumers deliver only what is ingested.
+CREATE OR REPLACE FUNCTION {schema}.ingest_v1(p_queues text[], p_wait boolean)
+RETURNS {schema}.discovery
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_old {schema}.discovery;
+    v_new {schema}.discovery;
+    v_snap pg_snapshot;
+    v_now timestamptz;
+    v_xip xid8[];
+    r record;
+    v_lane {schema}.lane;
+    v_put {schema}.lane;
+    v_merged record;
+    v_max integer;
+    v_in_flight integer;
+    v_tf timestamptz;
+    v_at timestamptz;
+    v_i integer;
+    v_q text;
+    v_last_queue text := '';
+    v_cq text[] := ARRAY[]::text[];
+    v_cc text[] := ARRAY[]::text[];
+    v_cn integer[] := ARRAY[]::integer[];
+    v_fold boolean;
+    v_next record;
+BEGIN
+    IF p_wait THEN
+        PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    ELSIF NOT pg_try_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0)) THEN
+        SELECT * INTO v_old FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        RETURN v_old;
+    END IF;
+    SELECT * INTO v_old FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    v_snap := pg_current_snapshot();
+    v_now := clock_timestamp();
+    v_new := v_old;
+    -- what was in progress then and has committed since
+    v_xip := ARRAY(SELECT x FROM pg_snapshot_xip(v_old.snap) AS x
+                   WHERE pg_visible_in_snapshot(x, v_snap));
+    FOR r IN
+        WITH fresh AS MATERIALIZED (
+            SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
+            FROM {schema}.message m
+            WHERE m.txid >= pg_snapshot_xmax(v_old.snap) AND m.txid < pg_snapshot_xmax(v_snap)
+              AND m.locked_until IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
+            UNION ALL
+            SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
+            FROM {schema}.message m
+            WHERE m.txid = ANY (v_xip) AND m.locked_until IS NULL
+        ), heads AS (
+            SELECT DISTINCT ON (f.queue, f.channel, f.priority)
+                   f.queue, f.channel, f.priority, f.dequeue_at, f.id
+            FROM fresh f ORDER BY f.queue, f.channel, f.priority, f.dequeue_at, f.id
+        ), counts AS (
+            SELECT f.queue, f.channel,
+                   count(*) FILTER (WHERE f.arrival = 0)::integer AS created,
+                   min(f.dequeue_at) AS due
+            FROM fresh f GROUP BY f.queue, f.channel
+        )
+        SELECT c.queue, c.channel, c.created, c.due,
+               array_agg(h.priority ORDER BY h.priority DESC) AS prios,
+               array_agg(h.dequeue_at ORDER BY h.priority DESC) AS pos_at,
+               array_agg(h.id ORDER BY h.priority DESC) AS pos_id
+        FROM counts c JOIN heads h ON h.queue = c.queue AND h.channel = c.channel
+        GROUP BY c.queue, c.channel, c.created, c.due
+        ORDER BY c.queue, c.channel
+    LOOP
+        IF r.queue <> v_last_queue THEN
+            v_last_queue := r.queue;
+            IF NOT EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.name = r.queue) THEN
+                INSERT INTO {schema}.queue (name) VALUES (r.queue) ON CONFLICT (name) DO NOTHING;
+            END IF;
+            v_i := array_position(v_old.queues, r.queue);
+            v_tf := CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_old.turn_from[v_i] END;
+        END IF;
+        IF r.created > 0 THEN
+            v_cq := v_cq || r.queue;
+            v_cc := v_cc || r.channel;
+            v_cn := v_cn || r.created;
+        END IF;
+        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel));
+        v_lane := {schema}.lane_get_v1(r.queue, r.channel);
+        v_put := v_lane;
+        IF v_lane.id IS NULL THEN
+            SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(r.queue, r.channel) l;
+            v_put := ROW(NULL, r.queue, r.channel, NULL, '-infinity', v_now, v_max IS NOT NULL,
+                         '{{}}', '{{}}', '{{}}')::{schema}.lane;
+        END IF;
+        SELECT * INTO v_merged FROM {schema}.positions_merge_v1(v_put, r.prios, r.pos_at, r.pos_id);
+        v_put.prios := v_merged.prios;
+        v_put.pos_at := v_merged.pos_at;
+        v_put.pos_id := v_merged.pos_id;
+        v_at := GREATEST(r.due, v_put.served_at, v_tf);
+        IF v_put.turn_at IS NOT NULL THEN
+            v_put.turn_at := LEAST(v_put.turn_at, v_at);
+        ELSE
+            -- no turn: nothing was ready, or the channel is at its max_concurrency
+            v_in_flight := 0;
+            IF v_put.limited THEN
+                SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(r.queue, r.channel) l;
+                SELECT c.current_concurrency INTO v_in_flight FROM {schema}.channel c
+                WHERE c.queue = r.queue AND c.name = r.channel;
+            END IF;
+            IF NOT v_put.limited OR v_max IS NULL OR coalesce(v_in_flight, 0) < v_max THEN
+                v_put.turn_at := v_at;
+            END IF;
+        END IF;
+        IF v_lane.id IS NULL OR v_put.turn_at IS DISTINCT FROM v_lane.turn_at
+           OR v_put.prios IS DISTINCT FROM v_lane.prios OR v_put.pos_at IS DISTINCT FROM v_lane.pos_at
+           OR v_put.pos_id IS DISTINCT FROM v_lane.pos_id THEN
+            PERFORM {schema}.lane_put_v1(v_lane.id, v_put);
+        END IF;
+    END LOOP;
+
+    -- channels that got a slot back while at their max_concurrency: their lanes' turn again
+    FOR r IN SELECT c.queue, c.name FROM {schema}.channel c WHERE c.freed ORDER BY c.queue, c.name LOOP
+        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.name));
+        v_lane := {schema}.lane_get_v1(r.queue, r.name);
+        IF v_lane.id IS NOT NULL AND v_lane.turn_at IS NULL THEN
+            SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(r.queue, r.name) l;
+            SELECT c.current_concurrency INTO v_in_flight FROM {schema}.channel c
+            WHERE c.queue = r.queue AND c.name = r.name;
+            IF v_max IS NULL OR v_in_flight < v_max THEN
+                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
+                IF v_next.next_at IS NOT NULL THEN
+                    v_i := array_position(v_old.queues, r.queue);
+                    v_lane.turn_at := GREATEST(v_next.next_at, v_lane.served_at,
+                        CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_old.turn_from[v_i] END);
+                    PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
+                END IF;
+            END IF;
+        END IF;
+        UPDATE {schema}.channel c SET freed = false WHERE c.queue = r.queue AND c.name = r.name;
+        DELETE FROM {schema}.channel c
+        WHERE c.queue = r.queue AND c.name = r.name AND NOT c.has_policy
+          AND c.current_size = 0 AND c.current_concurrency = 0;
+    END LOOP;
+
+    -- scan positions of the caller's queues
+    FOREACH v_q IN ARRAY ARRAY(SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) ORDER BY u.q) LOOP
+        v_i := array_position(v_new.queues, v_q);
+        IF v_i IS NULL THEN
+            v_new.queues := v_new.queues || v_q;
+            v_new.turn_from := v_new.turn_from || '-infinity'::timestamptz;
+            v_new.lock_from := v_new.lock_from || '-infinity'::timestamptz;
+            v_new.lock_next := v_new.lock_next || v_now;
+            v_i := cardinality(v_new.queues);
+        END IF;
+        -- no live turn of the queue is earlier than the first one found from the old position
+        -- (every later turn is written at or after its writer's clock, or by an ingest)
+        v_new.turn_from[v_i] := LEAST(v_now, coalesce((
+            SELECT l.turn_at FROM {schema}.lane l
+            WHERE l.queue = v_q AND l.turn_at >= v_new.turn_from[v_i]
+            ORDER BY l.turn_at, l.id LIMIT 1), v_now));
+        -- locks that expired and are not handled yet, else now
+        v_new.lock_from[v_i] := coalesce((
+            SELECT m.locked_until FROM {schema}.message m
+            WHERE m.queue = v_q AND m.locked_until >= v_new.lock_from[v_i]
+              AND m.locked_until <= v_now
+            ORDER BY m.locked_until LIMIT 1), v_now);
+        -- a hint of the next expiry (a lock taken for a shorter time may come earlier)
+        v_new.lock_next[v_i] := (
+            SELECT m.locked_until FROM {schema}.message m
+            WHERE m.queue = v_q AND m.locked_until > v_now
+              AND m.locked_until >= coalesce(v_new.lock_next[v_i], v_now)
+            ORDER BY m.locked_until LIMIT 1);
+    END LOOP;
+
+    v_fold := v_old.folded_at < v_now - interval '1 second';
+    IF v_fold THEN
+        PERFORM {schema}.fold_v1(v_old.folded, v_snap, v_cq, v_cc, v_cn);
+        v_new.folded := v_snap;
+        v_new.folded_at := v_now;
+    ELSIF cardinality(v_cq) > 0 THEN
+        INSERT INTO {schema}.tally (queue, channel, enqueued)
+        SELECT * FROM unnest(v_cq, v_cc, v_cn);
+    END IF;
+    v_new.snap := v_snap;
+    v_new.taken_at := v_now;
+    INSERT INTO {schema}.discovery
+        (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, expire_from)
+    VALUES (v_new.snap, v_new.folded, v_new.taken_at, v_new.folded_at, v_new.queues,
+            v_new.turn_from, v_new.lock_from, v_new.lock_next, v_new.expire_from)
+    RETURNING * INTO v_new;
+    DELETE FROM {schema}.discovery d WHERE d.id = v_old.id;
+    RETURN v_new;
+END;
+$$;
+
+-- Fold the tallies of the transactions visible in p_snap and not in p_from (with p_q/p_c/p_n
+-- enqueued counts of the caller) into channel_count; a channel left empty, without a policy
+-- and without a turn, moves its counts to queue_count and loses its lane. Run by the ingest.
+CREATE OR REPLACE FUNCTION {schema}.fold_v1(
+    p_from pg_snapshot, p_snap pg_snapshot, p_q text[], p_c text[], p_n integer[]
+) RETURNS void
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_xip xid8[];
+    r record;
+    v_lane {schema}.lane;
+BEGIN
+    v_xip := ARRAY(SELECT x FROM pg_snapshot_xip(p_from) AS x WHERE pg_visible_in_snapshot(x, p_snap));
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.tally t
+            WHERE t.txid >= pg_snapshot_xmax(p_from) AND t.txid < pg_snapshot_xmax(p_snap)
+              AND pg_visible_in_snapshot(t.txid, p_snap)
+            RETURNING t.*
+        ), gone_late AS (
+            DELETE FROM {schema}.tally t WHERE t.txid = ANY (v_xip)
+            RETURNING t.*
+        ), delta AS (
+            SELECT g.queue, g.channel, sum(g.enqueued) AS enqueued, sum(g.delivered) AS delivered,
+                   sum(g.redelivered) AS redelivered, sum(g.acked) AS acked,
+                   sum(g.deferred) AS deferred, sum(g.dead) AS dead, sum(g.dead_held) AS dead_held,
+                   sum(g.expired) AS expired, sum(g.dropped) AS dropped, sum(g.removed) AS removed,
+                   sum(g.removed_held) AS removed_held, sum(g.purged) AS purged
+            FROM (
+                SELECT * FROM gone
+                UNION ALL SELECT * FROM gone_late
+                UNION ALL
+                SELECT NULL::xid8, u.q, u.c, u.n, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                FROM unnest(p_q, p_c, p_n) AS u(q, c, n)
+            ) AS g
+            WHERE EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.name = g.queue)
+            GROUP BY g.queue, g.channel
+        ), merged AS (
+            INSERT INTO {schema}.channel_count AS cc (queue, channel, enqueued, delivered,
+                redelivered, acked, deferred, dead, dead_held, expired, dropped, removed,
+                removed_held, purged)
+            SELECT * FROM delta d ORDER BY d.queue, d.channel
+            ON CONFLICT (queue, channel) DO UPDATE SET
+                enqueued = cc.enqueued + EXCLUDED.enqueued,
+                delivered = cc.delivered + EXCLUDED.delivered,
+                redelivered = cc.redelivered + EXCLUDED.redelivered,
+                acked = cc.acked + EXCLUDED.acked,
+                deferred = cc.deferred + EXCLUDED.deferred,
+                dead = cc.dead + EXCLUDED.dead,
+                dead_held = cc.dead_held + EXCLUDED.dead_held,
+                expired = cc.expired + EXCLUDED.expired,
+                dropped = cc.dropped + EXCLUDED.dropped,
+                removed = cc.removed + EXCLUDED.removed,
+                removed_held = cc.removed_held + EXCLUDED.removed_held,
+                purged = cc.purged + EXCLUDED.purged
+            RETURNING cc.*
+        )
+        SELECT m.* FROM merged m
+        WHERE m.enqueued - m.acked - m.dead - m.expired - m.removed - m.purged <= 0
+        ORDER BY m.queue, m.channel
+    LOOP
+        CONTINUE WHEN EXISTS (
+            SELECT 1 FROM {schema}.channel c
+            WHERE c.queue = r.queue AND c.name = r.channel AND c.has_policy);
+        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel));
+        v_lane := {schema}.lane_get_v1(r.queue, r.channel);
+        CONTINUE WHEN v_lane.id IS NOT NULL AND v_lane.turn_at IS NOT NULL;
+        DELETE FROM {schema}.lane l WHERE l.queue = r.queue AND l.channel = r.channel;
+        DELETE FROM {schema}.channel_count cc WHERE cc.queue = r.queue AND cc.channel = r.channel;
+        INSERT INTO {schema}.queue_count AS qc (queue, enqueued, delivered, redelivered, acked,
+            deferred, dead, dead_held, expired, dropped, removed, removed_held, purged)
+        VALUES (r.queue, r.enqueued, r.delivered, r.redelivered, r.acked, r.deferred, r.dead,
+                r.dead_held, r.expired, r.dropped, r.removed, r.removed_held, r.purged)
+        ON CONFLICT (queue) DO UPDATE SET
+            enqueued = qc.enqueued + EXCLUDED.enqueued,
+            delivered = qc.delivered + EXCLUDED.delivered,
+            redelivered = qc.redelivered + EXCLUDED.redelivered,
+            acked = qc.acked + EXCLUDED.acked,
+            deferred = qc.deferred + EXCLUDED.deferred,
+            dead = qc.dead + EXCLUDED.dead,
+            dead_held = qc.dead_held + EXCLUDED.dead_held,
+            expired = qc.expired + EXCLUDED.expired,
+            dropped = qc.dropped + EXCLUDED.dropped,
+            removed = qc.removed + EXCLUDED.removed,
+            removed_held = qc.removed_held + EXCLUDED.removed_held,
+            purged = qc.purged + EXCLUDED.purged;
+    END LOOP;
+END;
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Dequeue
+-- ---------------------------------------------------------------------------------------------
+
+-- The free slots of a channel with a max_concurrency, its row locked for the caller (created
+-- when missing). 0 when another transaction holds the row (a producer of a limited channel or
+-- an ack: the lane waits for a later dequeue rather than this one waiting for it).
+CREATE OR REPLACE FUNCTION {schema}.channel_headroom_v1(p_queue text, p_channel text, OUT headroom integer, OUT max_concurrency integer)
+LANGUAGE plpgsql SET lock_timeout = '10ms' AS $$
+DECLARE
+    v_current integer;
+BEGIN
+    SELECT l.max_concurrency INTO max_concurrency FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
+    IF max_concurrency IS NULL THEN
+        headroom := 2147483647;
+        RETURN;
+    END IF;
+    SELECT c.current_concurrency INTO v_current FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        headroom := GREATEST(0, max_concurrency - v_current);
+        RETURN;
+    END IF;
+    headroom := 0;
+    IF NOT EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel) THEN
+        BEGIN
+            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+            ON CONFLICT DO NOTHING RETURNING max_concurrency INTO headroom;
+            headroom := coalesce(headroom, 0);
+        EXCEPTION WHEN lock_not_available THEN
+            headroom := 0;
+        END;
+    END IF;
+END;
+$$;
+
+-- Producers of a queue whose transactions are still open (they hold its 'produce' key)?
+CREATE OR REPLACE FUNCTION {schema}.queue_idle_v1(p_queue text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_key bigint := {schema}.queue_key_v1('produce', p_queue);
+BEGIN
+    IF pg_try_advisory_lock(v_key) THEN
+        PERFORM pg_advisory_unlock(v_key);
+        RETURN true;
+    END IF;
+    RETURN false;
+END;
+$$;
+
+-- Milliseconds until something in the given queues may become available: a lane's turn (a
+-- delayed message falling due) or a lock expiring (from the ingest's hint). NULL when nothing
+-- is pending.
+CREATE OR REPLACE FUNCTION {schema}.queue_retry_ms_v1(p_queues text[], p_d {schema}.discovery) RETURNS bigint
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_next timestamptz;
+BEGIN
+    SELECT LEAST(
+        (SELECT min(w.at) FROM unnest(p_queues) AS u(q) CROSS JOIN LATERAL (
+            SELECT l.turn_at AS at FROM {schema}.lane l
+            WHERE l.queue = u.q
+              AND l.turn_at >= coalesce(p_d.turn_from[array_position(p_d.queues, u.q)], '-infinity')
+            ORDER BY l.turn_at LIMIT 1) AS w),
+        (SELECT min(p_d.lock_next[array_position(p_d.queues, u.q)]) FROM unnest(p_queues) AS u(q))
+    ) INTO v_next;
+    IF v_next IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN GREATEST(0, ceil(extract(epoch FROM v_next - v_now) * 1000))::bigint;
+END;
+$$;
+
+-- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms; with
+-- p_ack_ids/p_ack_tokens, delete those held messages first (a consumer's acks travel with
+-- its next dequeue: rows 'ack_state_invalid' / 'ack_not_found' for those that did not
+-- apply). Messages whose lock expired come first (their holder is gone); then lanes whose
+-- turn it is are served round-robin, the one waiting longest first, an equal share each,
+-- within a channel's max_concurrency; within a lane, highest priority, then earliest due,
+-- then oldest. Rows come back in delivery order. When nothing is available, one row comes
+-- back with message_id NULL and retry_ms: milliseconds until something may become available
+-- (NULL: nothing is pending). With p_listen, a caller that gets nothing is registered as
+-- sleeping on its queues until its next call: their producers then send a NOTIFY. A message
+-- delivered max_attempts times already (of its queue) goes to the dead letters instead and
+-- comes back as a row with event 'dead'; a delivered message's event is 'delivered', or
+-- 'redelivered' when its previous lock had expired.
+--
+-- Nothing here waits for another transaction: a consumer owns a lane for its call when it
+-- gets the lane's advisory key (it then moves the lane to the back and its positions past
+-- what it took); a lane owned by another consumer is served too, without being written,
+-- unless it has a max_concurrency (whose count is under the channel row, locked by its owner).
+CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v3(
+    p_queues text[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
+    p_ack_tokens uuid[], p_listen boolean
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_d {schema}.discovery;
+    v_ingested boolean := false;
+    v_slept boolean := false;
+    v_busy boolean := false;
+    v_got integer := 0;
+    v_left integer;
+    v_n integer;
+    v_k integer;
+    r record;
+    v_keys text;
+    -- events for the tally: queue, channel, kind
+    e_q text[] := ARRAY[]::text[];
+    e_c text[] := ARRAY[]::text[];
+    e_k text[] := ARRAY[]::text[];
+    -- acks
+    v_gone bigint[];
+    v_gq text[];
+    v_gc text[];
+    v_gs boolean[];
+    v_gl boolean[];
+    -- queues
+    v_qn text[];
+    v_qmax integer[];
+    v_qtf timestamptz[];
+    v_qlf timestamptz[];
+    v_expired boolean;
+    v_relock bigint[];
+    v_poison bigint[];
+    -- lanes, and per lane: owned, cap, max_concurrency, taken, more due, done
+    v_cands {schema}.lane[];
+    v_own boolean[];
+    v_cap integer[];
+    v_max integer[];
+    v_taken integer[];
+    v_more boolean[];
+    v_done boolean[];
+    v_open integer;
+    v_share integer;
+    v_passes integer;
+    v_lanes integer[];
+    v_quota integer[];
+    -- a pass's heads: id, lane, rank in lane, priority, due
+    h_id bigint[];
+    h_lane integer[];
+    h_rn integer[];
+    h_prio smallint[];
+    h_at timestamptz[];
+    v_take bigint[];
+    v_slotted bigint[];
+    v_locked bigint[];
+    v_served timestamptz;
+    v_lane {schema}.lane;
+    v_next record;
+    v_retry bigint;
+    i integer;
+BEGIN
+    -- 0. a caller that slept (it found nothing last time) is awake again
+    v_keys := current_setting('lonnymq.sleeping', true);
+    IF v_keys IS NOT NULL AND v_keys <> '' THEN
+        PERFORM pg_advisory_unlock_shared(k.key)
+        FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key)
+        WHERE EXISTS (
+            SELECT 1 FROM pg_catalog.pg_locks l
+            WHERE l.pid = pg_backend_pid() AND l.locktype = 'advisory' AND l.objsubid = 1
+              AND l.mode = 'ShareLock' AND l.granted
+              AND l.classid::bigint = (k.key >> 32) & 4294967295
+              AND l.objid::bigint = k.key & 4294967295);
+        PERFORM set_config('lonnymq.sleeping', '', false);
+    END IF;
+
+    -- 1. acks
+    IF coalesce(cardinality(p_ack_ids), 0) > 0 THEN
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id = ANY (p_ack_ids)
+              AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+              AND m.locked_until IS NOT NULL
+            RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+        )
+        SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
+               array_agg(g.slotted)
+        INTO v_gone, v_gq, v_gc, v_gs, v_gl FROM gone g;
+        IF v_gone IS NOT NULL THEN
+            e_q := v_gq;
+            e_c := v_gc;
+            e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
+            IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
+                FOR r IN
+                    SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
+                           count(*) FILTER (WHERE u.l)::integer AS l
+                    FROM unnest(v_gq, v_gc, v_gs, v_gl) AS u(q, c, s, l)
+                    WHERE u.s OR u.l GROUP BY u.q, u.c ORDER BY u.q, u.c
+                LOOP
+                    PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
+                END LOOP;
+            END IF;
+        END IF;
+        IF coalesce(cardinality(v_gone), 0) < cardinality(p_ack_ids) THEN
+            RETURN QUERY
+                SELECT h.id, NULL::text, NULL::text, NULL::text, NULL::smallint, NULL::integer,
+                       NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint,
+                       CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                            THEN 'ack_state_invalid' ELSE 'ack_not_found' END
+                FROM unnest(p_ack_ids) AS h(id)
+                WHERE h.id <> ALL (coalesce(v_gone, ARRAY[]::bigint[]));
+        END IF;
+    END IF;
+
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    LOOP
+        -- 2. ingest what committed since the snapshot: at most every millisecond while this
+        --    call finds enough, else now
+        IF NOT v_ingested
+           AND (v_got < p_limit OR v_d.taken_at < v_now - interval '1 millisecond')
+           AND (v_d.folded_at < v_now - interval '1 second'
+                OR NOT (p_queues <@ v_d.queues)
+                OR EXISTS (SELECT 1 FROM {schema}.message m
+                           WHERE m.txid >= pg_snapshot_xmax(v_d.snap) AND m.locked_until IS NULL)
+                OR EXISTS (SELECT 1 FROM pg_snapshot_xip(v_d.snap) AS x
+                           WHERE pg_visible_in_snapshot(x, pg_current_snapshot()))
+                OR EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.freed)) THEN
+            v_d := {schema}.ingest_v1(p_queues, false);
+            v_ingested := true;
+            v_now := clock_timestamp();
+        END IF;
+
+        -- the queues, their settings and positions; is there a lock past its expiry?
+        SELECT array_agg(q.name ORDER BY q.name),
+               array_agg(coalesce(q.max_attempts, 2147483647) ORDER BY q.name),
+               array_agg(coalesce(v_d.turn_from[array_position(v_d.queues, q.name)],
+                                  '-infinity') ORDER BY q.name),
+               array_agg(coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                  '-infinity') ORDER BY q.name),
+               coalesce(bool_or(x.found), false)
+        INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+        FROM {schema}.queue q
+        LEFT JOIN LATERAL (
+            SELECT true AS found FROM {schema}.message e
+            WHERE e.queue = q.name
+              AND e.locked_until >= coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                             '-infinity')
+              AND e.locked_until <= v_now
+            ORDER BY e.locked_until LIMIT 1
+        ) AS x ON true
+        WHERE q.name = ANY (p_queues);
+        v_left := p_limit - v_got;
+
+        -- 3. messages whose lock expired: they still count against their channel's
+        --    concurrency and are taken over without touching any lane
+        IF v_expired AND v_left > 0 THEN
+            v_relock := ARRAY(
+                SELECT x.id FROM unnest(v_qn, v_qlf) AS u(q, lf)
+                CROSS JOIN LATERAL (
+                    SELECT e.id, e.locked_until FROM {schema}.message e
+                    WHERE e.queue = u.q AND e.locked_until >= u.lf AND e.locked_until <= v_now
+                    ORDER BY e.locked_until LIMIT v_left
+                    FOR UPDATE SKIP LOCKED
+                ) AS x
+                ORDER BY x.locked_until LIMIT v_left);
+            -- delivered max_attempts times already, its holder dying each time: a poison
+            -- message, dead-lettered instead
+            v_poison := ARRAY(
+                SELECT m.id FROM {schema}.message m
+                WHERE m.id = ANY (v_relock) AND m.attempts >= v_qmax[array_position(v_qn, m.queue)]
+                ORDER BY m.id);
+            IF cardinality(v_poison) > 0 THEN
+                FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+                    e_q := e_q || r.queue_name || r.queue_name;
+                    e_c := e_c || r.channel_name || r.channel_name;
+                    e_k := e_k || 'dead'::text || 'dead_held'::text;
+                    RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
+                        NULL::smallint, r.message_attempts, NULL::uuid, r.message_created_at,
+                        NULL::bytea, NULL::bytea, NULL::bigint, 'dead'::text;
+                END LOOP;
+            END IF;
+            FOR r IN
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1
+                WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)
+                RETURNING m.*
+            LOOP
+                e_q := e_q || r.queue || r.queue;
+                e_c := e_c || r.channel || r.channel;
+                e_k := e_k || 'delivered'::text || 'redelivered'::text;
+                v_got := v_got + 1;
+                RETURN QUERY SELECT r.id, r.queue::text, r.channel::text, r.name, r.priority,
+                    r.attempts, r.lock_token, r.created_at, r.content, r.state, NULL::bigint,
+                    'redelivered'::text;
+            END LOOP;
+            v_left := p_limit - v_got;
+        END IF;
+
+        -- 4. lanes whose turn it is, oldest turn first (one more than needed, to know
+        --    whether another one waits)
+        v_n := 0;
+        IF v_left > 0 AND v_qn IS NOT NULL THEN
+            v_cands := ARRAY(
+                SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
+                CROSS JOIN LATERAL (
+                    SELECT l FROM {schema}.lane l
+                    WHERE l.queue = u.q AND l.turn_at >= u.tf AND l.turn_at <= v_now
+                    ORDER BY l.turn_at, l.id LIMIT v_left + 1
+                ) AS x
+                ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1);
+            v_n := LEAST(cardinality(v_cands), v_left);
+        END IF;
+        IF v_n > 0 THEN
+            v_own := array_fill(false, ARRAY[v_n]);
+            v_cap := array_fill(0, ARRAY[v_n]);
+            v_max := array_fill(NULL::integer, ARRAY[v_n]);
+            v_taken := array_fill(0, ARRAY[v_n]);
+            v_more := array_fill(false, ARRAY[v_n]);
+            v_done := array_fill(false, ARRAY[v_n]);
+            FOR i IN 1 .. v_n LOOP
+                v_own[i] := pg_try_advisory_xact_lock(
+                    {schema}.lane_key_v1((v_cands[i]).queue, (v_cands[i]).channel));
+                IF NOT (v_cands[i]).limited THEN
+                    v_cap[i] := v_left;
+                ELSIF v_own[i] THEN
+                    SELECT h.headroom, h.max_concurrency INTO v_cap[i], v_max[i]
+                    FROM {schema}.channel_headroom_v1((v_cands[i]).queue, (v_cands[i]).channel) AS h;
+                END IF;
+            END LOOP;
+            -- passes: an equal share of what is left to each lane that may give more
+            v_passes := 0;
+            LOOP
+                v_passes := v_passes + 1;
+                v_lanes := ARRAY(SELECT g.i FROM generate_series(1, v_n) AS g(i)
+                                 WHERE NOT v_done[g.i] AND v_cap[g.i] > v_taken[g.i] ORDER BY g.i);
+                v_open := cardinality(v_lanes);
+                EXIT WHEN v_open = 0 OR v_left <= 0 OR v_passes > 8;
+                v_share := ceil(v_left::numeric / v_open)::integer;
+                v_quota := ARRAY(SELECT LEAST(v_share, v_cap[u.i] - v_taken[u.i])
+                                 FROM unnest(v_lanes) AS u(i));
+                -- each lane's head from its positions: due, ingested, not held by anyone; one
+                -- more than its quota tells whether it has more
+                SELECT array_agg(h.id ORDER BY h.rn, h.i), array_agg(h.i ORDER BY h.rn, h.i),
+                       array_agg(h.rn ORDER BY h.rn, h.i), array_agg(h.priority ORDER BY h.rn, h.i),
+                       array_agg(h.dequeue_at ORDER BY h.rn, h.i)
+                INTO h_id, h_lane, h_rn, h_prio, h_at
+                FROM unnest(v_lanes, v_quota) AS u(i, quota)
+                CROSS JOIN LATERAL (
+                    SELECT u.i, z.id, z.priority, z.dequeue_at,
+                           (row_number() OVER (ORDER BY z.priority DESC, z.dequeue_at, z.id))::integer AS rn
+                    FROM (
+                        SELECT m.id, m.priority, m.dequeue_at
+                        FROM unnest((v_cands[u.i]).prios, (v_cands[u.i]).pos_at,
+                                    (v_cands[u.i]).pos_id) AS p(prio, at, pid)
+                        CROSS JOIN LATERAL (
+                            SELECT m.id, m.priority, m.dequeue_at FROM {schema}.message m
+                            WHERE m.queue = (v_cands[u.i]).queue
+                              AND m.channel = (v_cands[u.i]).channel
+                              AND m.locked_until IS NULL AND m.priority = p.prio
+                              AND (m.dequeue_at, m.id) >= (p.at, p.pid) AND m.dequeue_at <= v_now
+                              AND pg_visible_in_snapshot(m.txid, v_d.snap)
+                            ORDER BY m.priority DESC, m.dequeue_at, m.id
+                            LIMIT u.quota + 1
+                            FOR UPDATE SKIP LOCKED
+                        ) AS m
+                        ORDER BY m.priority DESC, m.dequeue_at, m.id
+                        LIMIT u.quota + 1
+                    ) AS z
+                ) AS h;
+                FOR i IN 1 .. v_open LOOP
+                    v_k := v_lanes[i];
+                    v_more[v_k] := coalesce(array_length(array_positions(h_lane, v_k), 1), 0) > v_quota[i];
+                    IF NOT v_more[v_k] THEN
+                        v_done[v_k] := true;
+                    END IF;
+                END LOOP;
+                v_take := ARRAY(
+                    SELECT t.id FROM unnest(h_id, h_lane, h_rn) AS t(id, l, rn)
+                    JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
+                    WHERE t.rn <= u.quota);
+                EXIT WHEN coalesce(cardinality(v_take), 0) = 0;
+                v_slotted := ARRAY(
+                    SELECT t.id FROM unnest(h_id, h_lane) AS t(id, l)
+                    WHERE t.id = ANY (v_take) AND v_max[t.l] IS NOT NULL);
+                -- lock them (by primary key from the array); those past their time to live or
+                -- delivered max_attempts times are left out, and handled below
+                v_locked := ARRAY[]::bigint[];
+                FOR r IN
+                    WITH locked AS (
+                        UPDATE {schema}.message m SET
+                            locked_until = v_now + v_lock,
+                            lock_token = gen_random_uuid(),
+                            attempts = m.attempts + 1,
+                            slotted = m.id = ANY (v_slotted)
+                        WHERE m.id = ANY (v_take) AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                          AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                        RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                                  m.lock_token, m.created_at, m.content, m.state
+                    )
+                    SELECT l.*, t.l AS lane, v_taken[t.l] + t.rn AS rnk
+                    FROM locked l
+                    JOIN unnest(h_id, h_lane, h_rn) AS t(id, l, rn) ON t.id = l.id
+                    ORDER BY rnk, lane
+                LOOP
+                    v_locked := v_locked || r.id;
+                    message_id := r.id;
+                    queue_name := r.queue;
+                    channel_name := r.channel;
+                    message_name := r.name;
+                    message_priority := r.priority;
+                    message_attempts := r.attempts;
+                    message_lock_token := r.lock_token;
+                    message_created_at := r.created_at;
+                    message_content := r.content;
+                    message_state := r.state;
+                    retry_ms := NULL;
+                    event := 'delivered';
+                    RETURN NEXT;
+                END LOOP;
+                FOR i IN 1 .. cardinality(h_id) LOOP
+                    IF h_id[i] = ANY (v_locked) THEN
+                        v_taken[h_lane[i]] := v_taken[h_lane[i]] + 1;
+                        e_q := e_q || (v_cands[h_lane[i]]).queue;
+                        e_c := e_c || (v_cands[h_lane[i]]).channel;
+                        e_k := e_k || 'delivered'::text;
+                    END IF;
+                END LOOP;
+                v_got := v_got + cardinality(v_locked);
+                v_left := p_limit - v_got;
+                IF cardinality(v_locked) < cardinality(v_take) THEN
+                    -- past their time to live: deleted
+                    FOR r IN
+                        DELETE FROM {schema}.message m
+                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.expires_at <= v_now
+                        RETURNING m.id, m.queue, m.channel, m.sized
+                    LOOP
+                        e_q := e_q || r.queue;
+                        e_c := e_c || r.channel;
+                        e_k := e_k || 'expired'::text;
+                        IF r.sized THEN
+                            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, 1, 0);
+                        END IF;
+                    END LOOP;
+                    -- delivered max_attempts times: dead-lettered
+                    v_poison := ARRAY(
+                        SELECT m.id FROM {schema}.message m
+                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.locked_until IS NULL
+                        ORDER BY m.id);
+                    IF cardinality(v_poison) > 0 THEN
+                        FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+                            e_q := e_q || r.queue_name;
+                            e_c := e_c || r.channel_name;
+                            e_k := e_k || 'dead'::text;
+                            RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name,
+                                r.message_name, NULL::smallint, r.message_attempts, NULL::uuid,
+                                r.message_created_at, NULL::bytea, NULL::bytea, NULL::bigint,
+                                'dead'::text;
+                        END LOOP;
+                    END IF;
+                END IF;
+            END LOOP;
+
+            -- 5. the owned lanes: positions past what they took, the turn to the back (or at
+            --    the next due message, or none)
+            v_served := clock_timestamp();
+            FOR i IN 1 .. v_n LOOP
+                CONTINUE WHEN NOT v_own[i];
+                v_lane := v_cands[i];
+                IF v_max[i] IS NOT NULL AND v_taken[i] > 0 THEN
+                    UPDATE {schema}.channel c SET current_concurrency = c.current_concurrency + v_taken[i]
+                    WHERE c.queue = v_lane.queue AND c.name = v_lane.channel;
+                END IF;
+                -- a lone lane with more to give, written a moment ago: not written now (its
+                -- positions lag by what was taken since; the next write catches up)
+                CONTINUE WHEN v_n = 1 AND cardinality(v_cands) = 1 AND v_more[i]
+                    AND NOT v_lane.limited AND v_lane.served_at > '-infinity'
+                    AND v_lane.written_at > v_now - interval '5 milliseconds';
+                -- positions at the first message not taken (what this call took is locked
+                -- now; what another running dequeue holds still counts)
+                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_d.snap);
+                v_lane.prios := v_next.prios;
+                v_lane.pos_at := v_next.pos_at;
+                v_lane.pos_id := v_next.pos_id;
+                v_lane.limited := v_max[i] IS NOT NULL;
+                IF v_taken[i] > 0 THEN
+                    v_lane.served_at := v_served + i * interval '1 microsecond';
+                END IF;
+                IF v_max[i] IS NOT NULL AND v_cap[i] - v_taken[i] <= 0 THEN
+                    v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
+                ELSIF v_more[i] THEN
+                    v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at);
+                ELSE
+                    v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
+                        THEN GREATEST(v_next.next_at, v_lane.served_at, (v_cands[i]).turn_at) END;
+                END IF;
+                -- (a version superseded meanwhile by its previous owner is left as it is)
+                IF EXISTS (SELECT 1 FROM {schema}.lane l WHERE l.id = (v_cands[i]).id) THEN
+                    PERFORM {schema}.lane_put_v1((v_cands[i]).id, v_lane);
+                END IF;
+            END LOOP;
+        END IF;
+        EXIT WHEN v_got > 0;
+
+        -- 6. nothing. A listening caller registers as sleeping, checks for producers still
+        --    in their transactions (they may have looked for sleepers before), then looks
+        --    once more: a producer that commits after that sees it sleeping and notifies.
+        IF p_listen AND NOT v_slept THEN
+            v_slept := true;
+            v_keys := (SELECT string_agg({schema}.queue_key_v1('sleep', u.q)::text, ',')
+                       FROM (SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q)) AS u);
+            PERFORM pg_advisory_lock_shared(k.key)
+            FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key);
+            PERFORM set_config('lonnymq.sleeping', v_keys, false);
+            v_busy := EXISTS (SELECT 1 FROM unnest(p_queues) AS u(q)
+                              WHERE NOT {schema}.queue_idle_v1(u.q));
+            v_ingested := false;
+            v_now := clock_timestamp();
+            CONTINUE;
+        END IF;
+        EXIT WHEN v_ingested;
+        v_d := {schema}.ingest_v1(p_queues, false);
+        v_ingested := true;
+        v_now := clock_timestamp();
+    END LOOP;
+
+    -- the tally of this call: one row per channel
+    IF cardinality(e_q) > 0 THEN
+        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                    dead_held)
+        SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
+               count(*) FILTER (WHERE u.k = 'redelivered'), count(*) FILTER (WHERE u.k = 'acked'),
+               count(*) FILTER (WHERE u.k = 'expired'), count(*) FILTER (WHERE u.k = 'dead'),
+               count(*) FILTER (WHERE u.k = 'dead_held')
+        FROM unnest(e_q, e_c, e_k) AS u(q, c, k)
+        GROUP BY u.q, u.c;
+    END IF;
+
+    IF v_got = 0 THEN
+        v_retry := {schema}.queue_retry_ms_v1(p_queues, v_d);
+        IF v_busy THEN
+            v_retry := LEAST(coalesce(v_retry, 20), 20);
+        END IF;
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, v_retry,
+            NULL::text;
+    END IF;
+END;
+$$;
+
+-- Version 2 of dequeue (clients of schema version 4 and before): version 3 without acks,
+-- listening.
+CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v2(p_queues text[], p_limit integer, p_lock_ms bigint)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE sql AS $$
+    SELECT * FROM {schema}.message_dequeue_v3(p_queues, p_limit, p_lock_ms, NULL, NULL, true);
+$$;
+
+-- Version 1 of dequeue, for clients of schema version 2: version 2 without the rows of
+-- dead-lettered messages.
+CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v1(p_queues text[], p_limit integer, p_lock_ms bigint)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint
+)
+LANGUAGE sql AS $$
+    SELECT d.message_id, d.queue_name, d.channel_name, d.message_name, d.message_priority,
+           d.message_attempts, d.message_lock_token, d.message_created_at, d.message_content,
+           d.message_state, d.retry_ms
+    FROM {schema}.message_dequeue_v3(p_queues, p_limit, p_lock_ms, NULL, NULL, true) AS d
+    WHERE d.event IS DISTINCT FROM 'dead';
+$$;
+
+-- Acks and dequeue in one call (clients of schema version 4): version 3, listening.
+CREATE OR REPLACE FUNCTION {schema}.message_ack_dequeue_v1(
+    p_ids bigint[], p_lock_tokens uuid[], p_queues text[], p_limit integer, p_lock_ms bigint
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE sql AS $$
+    SELECT * FROM {schema}.message_dequeue_v3(p_queues, p_limit, p_lock_ms, p_ids,
+                                              p_lock_tokens, true);
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Finalize: delete (ack), defer, heartbeat, dead-letter
+-- ---------------------------------------------------------------------------------------------
+
+-- Delete (ack) many held messages. One outcome per id: 'ok', 'state_invalid' (held under
+-- another lock token, or not held) or 'not_found'. Only the limits of the channels that have
+-- one are written; otherwise an ack is the DELETE and one tally row per channel.
+CREATE OR REPLACE FUNCTION {schema}.message_delete_many_v1(p_ids bigint[], p_lock_tokens uuid[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_gone bigint[];
+    v_q text[];
+    v_c text[];
+    v_s boolean[];
+    v_l boolean[];
+    r record;
+BEGIN
+    WITH gone AS (
+        DELETE FROM {schema}.message m
+        WHERE m.id = ANY (p_ids)
+          AND m.lock_token = p_lock_tokens[array_position(p_ids, m.id)]
+          AND m.locked_until IS NOT NULL
+        RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+    )
+    SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
+           array_agg(g.slotted)
+    INTO v_gone, v_q, v_c, v_s, v_l FROM gone g;
+    IF v_gone IS NOT NULL THEN
+        INSERT INTO {schema}.tally (queue, channel, acked)
+        SELECT u.q, u.c, count(*) FROM unnest(v_q, v_c) AS u(q, c) GROUP BY u.q, u.c;
+        IF true = ANY (v_s) OR true = ANY (v_l) THEN
+            FOR r IN
+                SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
+                       count(*) FILTER (WHERE u.l)::integer AS l
+                FROM unnest(v_q, v_c, v_s, v_l) AS u(q, c, s, l)
+                WHERE u.s OR u.l GROUP BY u.q, u.c ORDER BY u.q, u.c
+            LOOP
+                PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
+            END LOOP;
+        END IF;
+    END IF;
+    IF coalesce(cardinality(v_gone), 0) = cardinality(p_ids) THEN
+        RETURN QUERY SELECT h.id, 'ok'::text FROM unnest(p_ids) AS h(id);
+        RETURN;
+    END IF;
+    RETURN QUERY
+        SELECT h.id,
+            CASE WHEN h.id = ANY (coalesce(v_gone, ARRAY[]::bigint[])) THEN 'ok'
+                 WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                     THEN 'state_invalid'
+                 ELSE 'not_found' END
+        FROM unnest(p_ids) AS h(id);
+END;
+$$;
+
+-- Delete (acknowledge) a held message. result_code: 'ok', 'state_invalid' (the message is
+-- held under another lock token, or not held) or 'not_found'.
+CREATE OR REPLACE FUNCTION {schema}.message_delete_v1(p_id bigint, p_lock_token uuid, OUT result_code text)
+LANGUAGE sql AS $$
+    SELECT d.result_code FROM {schema}.message_delete_many_v1(ARRAY[p_id], ARRAY[p_lock_token]) AS d;
+$$;
+
+-- Defer a held message: unlock it, due again after p_delay_ms (NULL: in its old place, as
+-- RabbitMQ's requeue), with new state when p_set_state. Attempts are kept. result_code as for
+-- delete.
+CREATE OR REPLACE FUNCTION {schema}.message_defer_v1(
+    p_id bigint, p_lock_token uuid, p_delay_ms bigint, p_set_state boolean, p_state bytea,
+    OUT result_code text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    r record;
+BEGIN
+    UPDATE {schema}.message m SET
+        locked_until = NULL,
+        lock_token = NULL,
+        slotted = false,
+        txid = pg_current_xact_id(),
+        arrival = 1,
+        dequeue_at = CASE WHEN p_delay_ms IS NULL THEN m.dequeue_at
+            ELSE clock_timestamp() + p_delay_ms * interval '1 millisecond' END,
+        state = CASE WHEN p_set_state THEN p_state ELSE m.state END
+    FROM (SELECT o.id, o.slotted FROM {schema}.message o
+          WHERE o.id = p_id AND o.lock_token = p_lock_token AND o.locked_until IS NOT NULL
+          FOR UPDATE) AS old
+    WHERE m.id = old.id
+    RETURNING m.queue, m.channel, old.slotted INTO r;
+    IF r.queue IS NULL THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
+            THEN 'state_invalid' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    INSERT INTO {schema}.tally (queue, channel, deferred) VALUES (r.queue, r.channel, 1);
+    IF r.slotted THEN
+        PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, 0, 1);
+    END IF;
+    PERFORM {schema}.wake_v1(r.queue);
+    result_code := 'ok';
+END;
+$$;
+
+-- Extend the locks of held messages. Returns the ids whose lock was extended (a message
+-- whose token no longer matches is left out) with their new lock expiry.
+CREATE OR REPLACE FUNCTION {schema}.message_heartbeat_v1(p_ids bigint[], p_lock_tokens uuid[], p_lock_ms bigint)
+RETURNS TABLE (message_id bigint, locked_until timestamptz)
+LANGUAGE sql AS $$
+    UPDATE {schema}.message m SET locked_until = clock_timestamp() + p_lock_ms * interval '1 millisecond'
+    FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
+    WHERE m.id = h.id AND m.lock_token = h.lock_token AND m.locked_until IS NOT NULL
+    RETURNING m.id, m.locked_until;
+$$;
+
+-- Move messages (in any state) to the dead letters of their queue, or delete them where the
+-- queue keeps no dead letters, and give back what they held on limited channels. Returns
+-- what was removed; the caller counts it.
+CREATE OR REPLACE FUNCTION {schema}.message_bury_v1(p_ids bigint[], p_reason text)
+RETURNS TABLE (
+    message_id bigint, held boolean, queue_name text, channel_name text, message_name text,
+    message_attempts integer, message_created_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+    v_q text[] := ARRAY[]::text[];
+    v_c text[] := ARRAY[]::text[];
+    v_s boolean[] := ARRAY[]::boolean[];
+    v_l boolean[] := ARRAY[]::boolean[];
+BEGIN
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.message m WHERE m.id = ANY (p_ids)
+            RETURNING m.*
+        ), kept AS (
+            INSERT INTO {schema}.dead_message
+                (id, queue, channel, name, priority, attempts, reason, created_at, dead_at,
+                 content, state)
+            SELECT g.id, g.queue, g.channel, g.name, g.priority, g.attempts, p_reason,
+                   g.created_at, clock_timestamp(), g.content, g.state
+            FROM gone g
+            WHERE coalesce((SELECT q.dead_letter FROM {schema}.queue q WHERE q.name = g.queue), true)
+            ON CONFLICT (id) DO NOTHING
+        )
+        SELECT g.id, g.locked_until IS NOT NULL AS held, g.queue, g.channel, g.name, g.attempts,
+               g.created_at, g.sized, g.slotted
+        FROM gone g ORDER BY g.id
+    LOOP
+        IF r.sized OR r.slotted THEN
+            v_q := v_q || r.queue;
+            v_c := v_c || r.channel;
+            v_s := v_s || r.sized;
+            v_l := v_l || r.slotted;
+        END IF;
+        message_id := r.id;
+        held := r.held;
+        queue_name := r.queue;
+        channel_name := r.channel;
+        message_name := r.name;
+        message_attempts := r.attempts;
+        message_created_at := r.created_at;
+        RETURN NEXT;
+    END LOOP;
+    FOR r IN
+        SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
+               count(*) FILTER (WHERE u.l)::integer AS l
+        FROM unnest(v_q, v_c, v_s, v_l) AS u(q, c, s, l)
+        GROUP BY u.q, u.c ORDER BY u.q, u.c
+    LOOP
+        PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
+    END LOOP;
+END;
+$$;
+
+-- Reject a held message without requeue: it goes to the dead letters of its queue (or is
+-- deleted where the queue keeps none). result_code as for delete.
+CREATE OR REPLACE FUNCTION {schema}.message_reject_v1(
+    p_id bigint, p_lock_token uuid, p_reason text, OUT result_code text
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    PERFORM 1 FROM {schema}.message m
+    WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
+    FOR UPDATE;
+    IF NOT FOUND THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
+            THEN 'state_invalid' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    FOR r IN SELECT * FROM {schema}.message_bury_v1(ARRAY[p_id], coalesce(p_reason, 'rejected')) LOOP
+        INSERT INTO {schema}.tally (queue, channel, dead, dead_held)
+        VALUES (r.queue_name, r.channel_name, 1, 1);
+    END LOOP;
+    result_code := 'ok';
+END;
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Policies
+-- ---------------------------------------------------------------------------------------------
+
+-- Bring a channel in line with the limits now in force, after a policy change: a limit that
+-- starts counting counts what the channel holds (max_size: its messages; max_concurrency: its
+-- messages in flight), the lane is marked limited or not and gets its turn back, or loses it
+-- at its max_concurrency. The caller holds the ingest key. Returns whether the lane got a
+-- turn it did not have.
+CREATE OR REPLACE FUNCTION {schema}.channel_apply_v1(p_queue text, p_channel text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_lim record;
+    v_row {schema}.channel;
+    v_n integer;
+    v_lane {schema}.lane;
+    v_put {schema}.lane;
+    v_d {schema}.discovery;
+    v_next record;
+    v_i integer;
+BEGIN
+    SELECT * INTO v_lim FROM {schema}.channel_limits_v1(p_queue, p_channel);
+    IF v_lim.max_size IS NOT NULL OR v_lim.max_concurrency IS NOT NULL THEN
+        INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+        ON CONFLICT DO NOTHING;
+    END IF;
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+    IF FOUND THEN
+        IF v_lim.max_size IS NOT NULL THEN
+            WITH marked AS (
+                UPDATE {schema}.message m SET sized = true
+                WHERE m.id IN (
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.channel = p_channel AND x.locked_until IS NULL
+                      AND NOT x.sized
+                    UNION ALL
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                      AND x.channel = p_channel AND NOT x.sized)
+                RETURNING 1
+            )
+            SELECT count(*) INTO v_n FROM marked;
+            v_row.current_size := v_row.current_size + v_n;
+        END IF;
+        IF v_lim.max_concurrency IS NOT NULL THEN
+            WITH marked AS (
+                UPDATE {schema}.message m SET slotted = true
+                WHERE m.id IN (
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                      AND x.channel = p_channel AND NOT x.slotted)
+                RETURNING 1
+            )
+            SELECT count(*) INTO v_n FROM marked;
+            v_row.current_concurrency := v_row.current_concurrency + v_n;
+        END IF;
+        UPDATE {schema}.channel c SET
+            current_size = v_row.current_size, current_concurrency = v_row.current_concurrency
+        WHERE c.queue = p_queue AND c.name = p_channel;
+        DELETE FROM {schema}.channel c
+        WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
+          AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed;
+    END IF;
+    PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(p_queue, p_channel));
+    v_lane := {schema}.lane_get_v1(p_queue, p_channel);
+    IF v_lane.id IS NULL THEN
+        RETURN false;
+    END IF;
+    v_put := v_lane;
+    v_put.limited := v_lim.max_concurrency IS NOT NULL;
+    IF v_put.limited AND coalesce(v_row.current_concurrency, 0) >= v_lim.max_concurrency THEN
+        v_put.turn_at := NULL;
+    ELSIF v_put.turn_at IS NULL THEN
+        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        SELECT * INTO v_next FROM {schema}.lane_next_v1(v_put, v_d.snap);
+        v_put.prios := v_next.prios;
+        v_put.pos_at := v_next.pos_at;
+        v_put.pos_id := v_next.pos_id;
+        IF v_next.next_at IS NOT NULL THEN
+            v_i := array_position(v_d.queues, p_queue);
+            v_put.turn_at := GREATEST(v_next.next_at, v_put.served_at,
+                CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_d.turn_from[v_i] END);
+        END IF;
+    END IF;
+    IF v_put.limited IS DISTINCT FROM v_lane.limited OR v_put.turn_at IS DISTINCT FROM v_lane.turn_at
+       OR v_put.prios IS DISTINCT FROM v_lane.prios OR v_put.pos_at IS DISTINCT FROM v_lane.pos_at
+       OR v_put.pos_id IS DISTINCT FROM v_lane.pos_id THEN
+        PERFORM {schema}.lane_put_v1(v_lane.id, v_put);
+    END IF;
+    RETURN v_lane.turn_at IS NULL AND v_put.turn_at IS NOT NULL;
+END;
+$$;
+
+-- Set a channel's own policy (NULL: no limit). Applies at once to the messages it holds.
+CREATE OR REPLACE FUNCTION {schema}.channel_policy_set_v1(
+    p_queue text, p_channel text, p_max_concurrency integer, p_max_size integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    PERFORM {schema}.queue_ensure_v1(p_queue);
+    INSERT INTO {schema}.channel AS c (queue, name, has_policy, own_max_concurrency, own_max_size)
+    VALUES (p_queue, p_channel, true, p_max_concurrency, p_max_size)
+    ON CONFLICT (queue, name) DO UPDATE SET
+        has_policy = true, own_max_concurrency = EXCLUDED.own_max_concurrency,
+        own_max_size = EXCLUDED.own_max_size;
+    IF {schema}.channel_apply_v1(p_queue, p_channel) THEN
+        PERFORM {schema}.wake_v1(p_queue);
+    END IF;
+END;
+$$;
+
+-- Remove a channel's own policy: it falls back to the queue default.
+CREATE OR REPLACE FUNCTION {schema}.channel_policy_clear_v1(p_queue text, p_channel text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    UPDATE {schema}.channel c SET has_policy = false, own_max_concurrency = NULL,
+        own_max_size = NULL
+    WHERE c.queue = p_queue AND c.name = p_channel;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF {schema}.channel_apply_v1(p_queue, p_channel) THEN
+        PERFORM {schema}.wake_v1(p_queue);
+    END IF;
+    DELETE FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
+      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed;
+END;
+$$;
+
+-- Set (or, with NULLs, clear) the queue-wide default policy, applied at once to every channel
+-- of the queue that has no policy of its own.
+CREATE OR REPLACE FUNCTION {schema}.queue_policy_set_v1(
+    p_queue text, p_max_concurrency integer, p_max_size integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel text;
+    v_woken boolean := false;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    PERFORM {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue SET max_concurrency = p_max_concurrency, max_size = p_max_size
+    WHERE name = p_queue;
+    FOR v_channel IN
+        SELECT x.channel FROM (
+            SELECT l.channel FROM {schema}.lane l WHERE l.queue = p_queue
+            UNION
+            SELECT c.name FROM {schema}.channel c WHERE c.queue = p_queue
+        ) AS x
+        WHERE NOT EXISTS (SELECT 1 FROM {schema}.channel c
+                          WHERE c.queue = p_queue AND c.name = x.channel AND c.has_policy)
+        ORDER BY x.channel
+    LOOP
+        IF {schema}.channel_apply_v1(p_queue, v_channel) THEN
+            v_woken := true;
+        END IF;
+    END LOOP;
+    IF v_woken THEN
+        PERFORM {schema}.wake_v1(p_queue);
+    END IF;
+END;
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Counts
+-- ---------------------------------------------------------------------------------------------
+
+-- The counts of every channel of p_queue (NULL: of every queue), exact as of this statement:
+-- what is folded, plus the tallies not folded yet, plus the messages created and not ingested
+-- yet. Gauges derive from them (see channel_count).
+CREATE OR REPLACE FUNCTION {schema}.channel_totals_v1(p_queue text)
+RETURNS TABLE (
+    queue text, channel text, enqueued bigint, delivered bigint, redelivered bigint,
+    acked bigint, deferred bigint, dead bigint, dead_held bigint, expired bigint,
+    dropped bigint, removed bigint, removed_held bigint, purged bigint
+)
+LANGUAGE sql STABLE AS $$
+    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1)
+    SELECT p.queue, p.channel, sum(p.enqueued)::bigint, sum(p.delivered)::bigint,
+           sum(p.redelivered)::bigint, sum(p.acked)::bigint, sum(p.deferred)::bigint,
+           sum(p.dead)::bigint, sum(p.dead_held)::bigint, sum(p.expired)::bigint,
+           sum(p.dropped)::bigint, sum(p.removed)::bigint, sum(p.removed_held)::bigint,
+           sum(p.purged)::bigint
+    FROM (
+        SELECT cc.queue, cc.channel, cc.enqueued, cc.delivered, cc.redelivered, cc.acked,
+               cc.deferred, cc.dead, cc.dead_held, cc.expired, cc.dropped, cc.removed,
+               cc.removed_held, cc.purged
+        FROM {schema}.channel_count cc WHERE p_queue IS NULL OR cc.queue = p_queue
+        UNION ALL
+        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
+               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid >= pg_snapshot_xmax(d.folded) AND (p_queue IS NULL OR t.queue = p_queue)
+        UNION ALL
+        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
+               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.folded)))
+          AND (p_queue IS NULL OR t.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.locked_until IS NULL AND m.arrival = 0
+          AND (p_queue IS NULL OR m.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.locked_until IS NULL
+          AND m.arrival = 0 AND (p_queue IS NULL OR m.queue = p_queue)
+    ) AS p
+    GROUP BY p.queue, p.channel
+$$;
+
+-- Ready and delayed messages of p_queue (NULL: every queue) and the oldest ready one, read
+-- from the lanes' positions (never from the start of an index) and from what is not ingested
+-- yet. O(messages waiting).
+CREATE OR REPLACE FUNCTION {schema}.queue_waiting_v1(p_queue text)
+RETURNS TABLE (queue text, ready bigint, delayed bigint, oldest_ready_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1),
+    w AS (
+        SELECT m.queue, m.dequeue_at
+        FROM d, {schema}.lane l
+        CROSS JOIN LATERAL unnest(l.prios, l.pos_at, l.pos_id) AS p(prio, at, pid)
+        JOIN {schema}.message m ON m.queue = l.queue AND m.channel = l.channel
+             AND m.locked_until IS NULL AND m.priority = p.prio
+             AND (m.dequeue_at, m.id) >= (p.at, p.pid)
+        WHERE (p_queue IS NULL OR l.queue = p_queue) AND pg_visible_in_snapshot(m.txid, d.snap)
+          AND l.id = (SELECT max(l2.id) FROM {schema}.lane l2
+                      WHERE l2.queue = l.queue AND l2.channel = l.channel)
+        UNION ALL
+        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.locked_until IS NULL
+          AND (p_queue IS NULL OR m.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.locked_until IS NULL
+          AND (p_queue IS NULL OR m.queue = p_queue)
+    )
+    SELECT w.queue, count(*) FILTER (WHERE w.dequeue_at <= clock_timestamp()),
+           count(*) FILTER (WHERE w.dequeue_at > clock_timestamp()),
+           min(w.dequeue_at) FILTER (WHERE w.dequeue_at <= clock_timestamp())
+    FROM w GROUP BY w.queue
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Queues
+-- ---------------------------------------------------------------------------------------------
+
+-- Delete every message of a queue that is not held by a consumer (ready and delayed ones).
+-- Returns how many were deleted. Held messages stay until acked or their lock expires.
+CREATE OR REPLACE FUNCTION {schema}.queue_purge_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_d {schema}.discovery;
+    v_total bigint := 0;
+    r record;
+    v_lane {schema}.lane;
+BEGIN
+    -- with the ingest held, a message not ingested yet is counted as enqueued here
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL
+            RETURNING m.channel, m.sized,
+                      m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap) AS fresh
+        ), per AS (
+            SELECT g.channel, count(*)::integer AS n, count(*) FILTER (WHERE g.sized)::integer AS s,
+                   count(*) FILTER (WHERE g.fresh)::integer AS f
+            FROM gone g GROUP BY g.channel
+        ), counted AS (
+            INSERT INTO {schema}.tally (queue, channel, enqueued, purged)
+            SELECT p_queue, p.channel, p.f, p.n FROM per p
+        )
+        SELECT * FROM per ORDER BY channel
+    LOOP
+        v_total := v_total + r.n;
+        IF r.s > 0 THEN
+            PERFORM {schema}.channel_give_back_v1(p_queue, r.channel, r.s, 0);
+        END IF;
+    END LOOP;
+    FOR r IN SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1 LOOP
+        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(p_queue, r.channel));
+        v_lane := {schema}.lane_get_v1(p_queue, r.channel);
+        IF v_lane.turn_at IS NOT NULL OR cardinality(v_lane.prios) > 0 THEN
+            v_lane.turn_at := NULL;
+            v_lane.prios := '{{}}';
+            v_lane.pos_at := '{{}}';
+            v_lane.pos_id := '{{}}';
+            PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
+        END IF;
+    END LOOP;
+    RETURN v_total;
+END;
+$$;
+
+-- Delete a queue: all its messages (held ones too), lanes, policies and counts. Its dead
+-- letters stay until their retention ends. Returns how many messages were deleted.
+CREATE OR REPLACE FUNCTION {schema}.queue_delete_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n bigint := 0;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    DELETE FROM {schema}.binding WHERE queue = p_queue;
+    PERFORM 1 FROM {schema}.queue q WHERE q.name = p_queue FOR UPDATE;
+    IF NOT FOUND AND NOT EXISTS (SELECT 1 FROM {schema}.message m WHERE m.queue = p_queue
+                                 AND m.locked_until IS NULL) THEN
+        RETURN 0;
+    END IF;
+    PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(p_queue, l.channel))
+    FROM (SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1) AS l;
+    WITH gone AS (
+        DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL
+        RETURNING 1
+    ), gone_held AS (
+        DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NOT NULL
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM gone) + (SELECT count(*) FROM gone_held) INTO v_n;
+    DELETE FROM {schema}.lane l WHERE l.queue = p_queue;
+    DELETE FROM {schema}.channel c WHERE c.queue = p_queue;
+    DELETE FROM {schema}.channel_count cc WHERE cc.queue = p_queue;
+    DELETE FROM {schema}.queue_count qc WHERE qc.queue = p_queue;
+    DELETE FROM {schema}.tally t WHERE t.queue = p_queue;
+    DELETE FROM {schema}.queue q WHERE q.name = p_queue;
+    RETURN v_n;
+END;
+$$;
+
+-- Counters of a queue, exact (ready and delayed are counted from the messages: O(messages
+-- not held)).
+CREATE OR REPLACE FUNCTION {schema}.queue_stats_v1(p_queue text, p_count_ready boolean)
+RETURNS TABLE (
+    total bigint, in_flight bigint, ready bigint, delayed bigint, channels bigint,
+    max_concurrency integer, max_size integer
+)
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged), 0)::bigint,
+           coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                        - t.removed_held), 0)::bigint,
+           CASE WHEN p_count_ready THEN coalesce((SELECT w.ready FROM {schema}.queue_waiting_v1(p_queue) w), 0) END,
+           CASE WHEN p_count_ready THEN coalesce((SELECT w.delayed FROM {schema}.queue_waiting_v1(p_queue) w), 0) END,
+           count(*) FILTER (WHERE t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged > 0),
+           (SELECT q.max_concurrency FROM {schema}.queue q WHERE q.name = p_queue),
+           (SELECT q.max_size FROM {schema}.queue q WHERE q.name = p_queue)
+    FROM {schema}.channel_totals_v1(p_queue) AS t
+$$;
+
+-- ---------------------------------------------------------------------------------------------
+-- Kombu: exchanges and bindings persisted in Postgres, so that every process routes alike;
+-- queue arguments (x-expires, x-message-ttl) so that abandoned queues and stale broadcasts go.
+-- ---------------------------------------------------------------------------------------------
+
+-- Declare an exchange. Raises (SQLSTATE LM001) when it exists with another type.
+CREATE OR REPLACE FUNCTION {schema}.exchange_declare_v1(
+    p_exchange text, p_type text, p_durable boolean, p_auto_delete boolean
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_type text;
+BEGIN
+    INSERT INTO {schema}.exchange (name, type, durable, auto_delete)
+    VALUES (p_exchange, p_type, p_durable, p_auto_delete)
+    ON CONFLICT (name) DO NOTHING;
+    SELECT e.type INTO v_type FROM {schema}.exchange e WHERE e.name = p_exchange;
+    IF v_type <> p_type THEN
+        RAISE EXCEPTION USING ERRCODE = 'LM001',
+            MESSAGE = format('exchange %L exists with type %L, not %L', p_exchange, v_type, p_type);
+    END IF;
+END;
+$$;
+
+-- Delete an exchange and its bindings.
+CREATE OR REPLACE FUNCTION {schema}.exchange_delete_v1(p_exchange text) RETURNS void
+LANGUAGE sql AS $$
+    DELETE FROM {schema}.binding WHERE exchange = p_exchange;
+    DELETE FROM {schema}.exchange WHERE name = p_exchange;
+$$;
+
+-- Declare a queue with its arguments; returns (messages waiting, messages in flight).
+CREATE OR REPLACE FUNCTION {schema}.queue_declare_v1(
+    p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint,
+    OUT waiting bigint, OUT in_flight bigint
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+BEGIN
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        expires_ms = p_expires_ms,
+        message_ttl_ms = p_message_ttl_ms,
+        used_at = clock_timestamp()
+    WHERE q.id = v_queue_id
+      AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+           OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
+    SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged
+                        - (t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                           - t.removed_held)), 0),
+           coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                        - t.removed_held), 0)
+    INTO waiting, in_flight
+    FROM {schema}.channel_totals_v1(p_queue) AS t;
+END;
+$$;
+
+-- Bind a queue to an exchange (idempotent).
+CREATE OR REPLACE FUNCTION {schema}.queue_bind_v1(
+    p_exchange text, p_routing_key text, p_queue text, p_pattern text
+) RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO {schema}.binding (exchange, routing_key, queue, pattern)
+    VALUES (p_exchange, p_routing_key, p_queue, p_pattern)
+    ON CONFLICT (exchange, routing_key, queue) DO NOTHING;
+$$;
+
+
+CREATE OR REPLACE FUNCTION {schema}.queue_unbind_v1(p_exchange text, p_routing_key text, p_queue text)
+RETURNS void
+LANGUAGE sql AS $$
+    DELETE FROM {schema}.binding
+    WHERE exchange = p_exchange AND routing_key = p_routing_key AND queue = p_queue;
+$$;
+
+
+-- The queues a message published to (exchange, routing key) goes to, sorted (so that a
+-- publish to several queues locks them in a consistent order). The anonymous exchange ''
+-- routes to the queue named by the routing key.
+CREATE OR REPLACE FUNCTION {schema}.route_v1(p_exchange text, p_routing_key text) RETURNS text[]
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_type text;
+    v_queues text[];
+BEGIN
+    IF p_exchange = '' THEN
+        RETURN ARRAY[p_routing_key];
+    END IF;
+    SELECT e.type INTO v_type FROM {schema}.exchange e WHERE e.name = p_exchange;
+    IF v_type = 'fanout' THEN
+        SELECT array_agg(DISTINCT b.queue ORDER BY b.queue) INTO v_queues
+        FROM {schema}.binding b WHERE b.exchange = p_exchange;
+    ELSIF v_type = 'topic' THEN
+        SELECT array_agg(DISTINCT b.queue ORDER BY b.queue) INTO v_queues
+        FROM {schema}.binding b WHERE b.exchange = p_exchange AND p_routing_key ~ b.pattern;
+    ELSE
+        SELECT array_agg(DISTINCT b.queue ORDER BY b.queue) INTO v_queues
+        FROM {schema}.binding b WHERE b.exchange = p_exchange AND b.routing_key = p_routing_key;
+    END IF;
+    RETURN coalesce(v_queues, ARRAY[]::text[]);
+END;
+$$;
+
+
+-- Publish: route, then create the message in every queue it goes to. The tenant channel is
+-- p_channel, else the routing key, else the queue name. One row per queue reached (none when
+-- the message is unroutable, as on RabbitMQ).
+CREATE OR REPLACE FUNCTION {schema}.message_publish_v1(
+    p_exchange text,
+    p_routing_key text,
+    p_channel text,
+    p_name text,
+    p_content bytea,
+    p_priority integer,
+    p_delay_ms bigint,
+    p_ttl_ms bigint
+)
+RETURNS TABLE (queue_name text, result_code text, message_id bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue text;
+    v_ttl bigint;
+BEGIN
+    FOREACH v_queue IN ARRAY {schema}.route_v1(p_exchange, p_routing_key) LOOP
+        SELECT LEAST(p_ttl_ms, q.message_ttl_ms) INTO v_ttl
+        FROM {schema}.queue q WHERE q.name = v_queue;
+        queue_name := v_queue;
+        SELECT c.result_code, c.message_id INTO result_code, message_id
+        FROM {schema}.message_create_v1(
+            v_queue,
+            coalesce(nullif(p_channel, ''), nullif(p_routing_key, ''), v_queue),
+            p_name, p_content, p_priority, p_delay_ms, coalesce(v_ttl, p_ttl_ms)
+        ) AS c;
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+
+-- Mark queues with an x-expires as used now (consumers call this periodically).
+CREATE OR REPLACE FUNCTION {schema}.queue_touch_v1(p_queues text[]) RETURNS void
+LANGUAGE sql AS $$
+    UPDATE {schema}.queue SET used_at = clock_timestamp()
+    WHERE name = ANY (p_queues) AND expires_ms IS NOT NULL
+      AND used_at < clock_timestamp() - interval '1 second';
+$$;
+
+
+-- Delete expired messages (not held by a consumer) and queues unused for longer than their
+-- x-expires, at most p_limit messages a call. Returns (messages, queues) deleted. Reads the
+-- expiry index from the position where the last sweep stopped.
+CREATE OR REPLACE FUNCTION {schema}.expire_v1(p_limit integer, OUT messages bigint, OUT queues bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_d {schema}.discovery;
+    v_from timestamptz;
+    v_queue text;
+    r record;
+BEGIN
+    messages := 0;
+    queues := 0;
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id IN (
+                SELECT x.id FROM {schema}.message x
+                WHERE x.expires_at >= v_d.expire_from AND x.expires_at <= v_now
+                  AND x.locked_until IS NULL
+                ORDER BY x.expires_at LIMIT p_limit
+                FOR UPDATE SKIP LOCKED)
+            RETURNING m.queue, m.channel, m.sized,
+                      m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap) AS fresh
+        ), per AS (
+            SELECT g.queue, g.channel, count(*)::integer AS n,
+                   count(*) FILTER (WHERE g.sized)::integer AS s,
+                   count(*) FILTER (WHERE g.fresh)::integer AS f
+            FROM gone g GROUP BY g.queue, g.channel
+        ), counted AS (
+            INSERT INTO {schema}.tally (queue, channel, enqueued, expired)
+            SELECT p.queue, p.channel, p.f, p.n FROM per p
+        )
+        SELECT * FROM per ORDER BY queue, channel
+    LOOP
+        messages := messages + r.n;
+        IF r.s > 0 THEN
+            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, r.s, 0);
+        END IF;
+    END LOOP;
+    -- the next sweep starts at the first message with a time to live still here and past it
+    -- (held by a consumer), else now
+    IF messages < p_limit THEN
+        v_from := coalesce((
+            SELECT x.expires_at FROM {schema}.message x
+            WHERE x.expires_at >= v_d.expire_from AND x.expires_at <= v_now
+            ORDER BY x.expires_at LIMIT 1), v_now);
+        IF v_from > v_d.expire_from THEN
+            INSERT INTO {schema}.discovery
+                (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next,
+                 expire_from)
+            VALUES (v_d.snap, v_d.folded, v_d.taken_at, v_d.folded_at, v_d.queues,
+                    v_d.turn_from, v_d.lock_from, v_d.lock_next, v_from);
+            DELETE FROM {schema}.discovery d WHERE d.id = v_d.id;
+        END IF;
+    END IF;
+    FOR v_queue IN
+        SELECT q.name FROM {schema}.queue q
+        WHERE q.expires_ms IS NOT NULL
+          AND q.used_at < v_now - q.expires_ms * interval '1 millisecond'
+        ORDER BY q.name
+    LOOP
+        PERFORM {schema}.queue_delete_v1(v_queue);
+        queues := queues + 1;
+    END LOOP;
+END;
+$$;
+
+
+-- ---------------------------------------------------------------------------------------------
+-- Operating: status, channels, messages, dead letters, settings, housekeeping.
+-- ---------------------------------------------------------------------------------------------
+
+-- Every queue with its gauges, cumulative counters and settings. Splitting waiting messages
+-- into ready and delayed (and finding the oldest ready one) reads them: O(messages waiting);
+-- p_count_ready false skips it (those columns are then NULL).
+CREATE OR REPLACE FUNCTION {schema}.queue_status_v1(p_count_ready boolean)
+RETURNS TABLE (
+    queue_name text, total bigint, in_flight bigint, ready bigint, delayed bigint,
+    oldest_ready_at timestamptz, dead bigint, channels bigint,
+    enqueued bigint, delivered bigint, redelivered bigint, acked bigint, deferred bigint,
+    dead_lettered bigint, expired bigint, dropped bigint,
+    max_concurrency integer, max_size integer, max_attempts integer, dead_letter boolean,
+    dead_retention_ms bigint
+)
+LANGUAGE sql STABLE AS $$
+    WITH t AS MATERIALIZED (SELECT * FROM {schema}.channel_totals_v1(NULL)),
+    per AS (
+        SELECT t.queue,
+               sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged) AS total,
+               sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                   - t.removed_held) AS in_flight,
+               count(*) FILTER (WHERE t.enqueued - t.acked - t.dead - t.expired - t.removed
+                                      - t.purged > 0) AS channels,
+               sum(t.enqueued) AS enqueued, sum(t.delivered) AS delivered,
+               sum(t.redelivered) AS redelivered, sum(t.acked) AS acked,
+               sum(t.deferred) AS deferred, sum(t.dead) AS dead, sum(t.expired) AS expired,
+               sum(t.dropped) AS dropped
+        FROM t GROUP BY t.queue
+    ), w AS MATERIALIZED (
+        SELECT * FROM {schema}.queue_waiting_v1(NULL) WHERE p_count_ready
+    )
+    SELECT q.name, coalesce(per.total, 0)::bigint, coalesce(per.in_flight, 0)::bigint,
+           CASE WHEN p_count_ready THEN coalesce(w.ready, 0) END,
+           CASE WHEN p_count_ready THEN coalesce(w.delayed, 0) END,
+           w.oldest_ready_at,
+           (SELECT count(*) FROM {schema}.dead_message d WHERE d.queue = q.name),
+           coalesce(per.channels, 0)::bigint,
+           (coalesce(per.enqueued, 0) + coalesce(qc.enqueued, 0))::bigint,
+           (coalesce(per.delivered, 0) + coalesce(qc.delivered, 0))::bigint,
+           (coalesce(per.redelivered, 0) + coalesce(qc.redelivered, 0))::bigint,
+           (coalesce(per.acked, 0) + coalesce(qc.acked, 0))::bigint,
+           (coalesce(per.deferred, 0) + coalesce(qc.deferred, 0))::bigint,
+           (coalesce(per.dead, 0) + coalesce(qc.dead, 0))::bigint,
+           (coalesce(per.expired, 0) + coalesce(qc.expired, 0))::bigint,
+           (coalesce(per.dropped, 0) + coalesce(qc.dropped, 0))::bigint,
+           q.max_concurrency, q.max_size, q.max_attempts, q.dead_letter, q.dead_retention_ms
+    FROM (
+        SELECT q.name, q.max_concurrency, q.max_size, q.max_attempts, q.dead_letter,
+               q.dead_retention_ms
+        FROM {schema}.queue q
+        UNION ALL
+        -- queues with messages and no row yet (nothing ingested them)
+        SELECT p.queue, NULL, NULL, 20, true, 1209600000 FROM per p
+        WHERE NOT EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.name = p.queue)
+    ) AS q
+    LEFT JOIN per ON per.queue = q.name
+    LEFT JOIN {schema}.queue_count qc ON qc.queue = q.name
+    LEFT JOIN w ON w.queue = q.name
+    ORDER BY q.name;
+$$;
+
+
+-- The channels of a queue, largest first, with their policies and counters.
+CREATE OR REPLACE FUNCTION {schema}.channel_list_v1(p_queue text, p_limit integer)
+RETURNS TABLE (
+    channel_name text, size integer, in_flight integer, max_concurrency integer,
+    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
+    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
+    expired bigint, dropped bigint
+)
+LANGUAGE sql STABLE AS $$
+    WITH t AS MATERIALIZED (SELECT * FROM {schema}.channel_totals_v1(p_queue)),
+    c AS (
+        SELECT coalesce(t.channel, ch.name) AS channel,
+               coalesce(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged, 0) AS size,
+               coalesce(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                        - t.removed_held, 0) AS in_flight,
+               t.enqueued, t.delivered, t.acked, t.deferred, t.dead, t.expired, t.dropped,
+               coalesce(ch.has_policy, false) AS has_policy
+        FROM t FULL JOIN (SELECT * FROM {schema}.channel x WHERE x.queue = p_queue AND x.has_policy) AS ch
+            ON ch.name = t.channel
+    )
+    SELECT c.channel, c.size::integer, c.in_flight::integer, lim.max_concurrency, lim.max_size,
+           c.has_policy, l.turn_at, nullif(l.served_at, '-infinity'),
+           coalesce(c.enqueued, 0), coalesce(c.delivered, 0), coalesce(c.acked, 0),
+           coalesce(c.deferred, 0), coalesce(c.dead, 0), coalesce(c.expired, 0),
+           coalesce(c.dropped, 0)
+    FROM c
+    CROSS JOIN LATERAL {schema}.channel_limits_v1(p_queue, c.channel) AS lim
+    LEFT JOIN LATERAL (
+        SELECT x.turn_at, x.served_at FROM {schema}.lane x
+        WHERE x.queue = p_queue AND x.channel = c.channel ORDER BY x.id DESC LIMIT 1
+    ) AS l ON true
+    WHERE c.size > 0 OR c.has_policy
+    ORDER BY c.size DESC, c.in_flight DESC, c.channel
+    LIMIT p_limit;
+$$;
+
+
+-- A channel's own policy, the queue default, and its gauges (messages held, in flight).
+CREATE OR REPLACE FUNCTION {schema}.channel_get_v1(p_queue text, p_channel text)
+RETURNS TABLE (
+    has_policy boolean, own_max_concurrency integer, own_max_size integer,
+    max_concurrency integer, max_size integer, size bigint, in_flight bigint
+)
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(c.has_policy, false), c.own_max_concurrency, c.own_max_size,
+           q.max_concurrency, q.max_size,
+           (SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged), 0)
+            FROM {schema}.channel_totals_v1(p_queue) AS t WHERE t.channel = p_channel)::bigint,
+           (SELECT coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                                - t.removed_held), 0)
+            FROM {schema}.channel_totals_v1(p_queue) AS t WHERE t.channel = p_channel)::bigint
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel
+    WHERE q.name IS NOT NULL OR c.name IS NOT NULL;
+$$;
+
+
+-- Messages, oldest id first, after p_after (keyset paging), filtered by queue, channel and
+-- state ('ready', 'delayed', 'locked', 'dead'; NULL: all); NULL filters match everything.
+CREATE OR REPLACE FUNCTION {schema}.message_list_v1(
+    p_queue text, p_channel text, p_state text, p_after bigint, p_limit integer
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    priority smallint, attempts integer, state text, dequeue_at timestamptz,
+    locked_until timestamptz, created_at timestamptz, dead_at timestamptz, reason text,
+    size integer
+)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    IF p_state IS NOT NULL AND p_state NOT IN ('ready', 'delayed', 'locked', 'dead') THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('unknown message state %L (ready, delayed, locked or dead)', p_state);
+    END IF;
+    RETURN QUERY
+        SELECT x.* FROM (
+            (SELECT m.id, m.queue::text, m.channel::text, m.name, m.priority, m.attempts,
+                    CASE WHEN m.locked_until IS NOT NULL THEN 'locked'
+                         WHEN m.dequeue_at > v_now THEN 'delayed'
+                         ELSE 'ready' END,
+                    m.dequeue_at, m.locked_until, m.created_at, NULL::timestamptz, NULL::text,
+                    length(m.content)
+             FROM {schema}.message m
+             WHERE m.id > p_after
+               AND (p_queue IS NULL OR m.queue = p_queue)
+               AND (p_channel IS NULL OR m.channel = p_channel)
+               AND (p_state IS NULL
+                    OR (p_state = 'locked' AND m.locked_until IS NOT NULL)
+                    OR (p_state = 'delayed' AND m.locked_until IS NULL AND m.dequeue_at > v_now)
+                    OR (p_state = 'ready' AND m.locked_until IS NULL AND m.dequeue_at <= v_now))
+             ORDER BY m.id
+             LIMIT p_limit)
+            UNION ALL
+            (SELECT d.id, d.queue::text, d.channel::text, d.name, d.priority, d.attempts,
+                    'dead'::text, NULL::timestamptz, NULL::timestamptz, d.created_at, d.dead_at,
+                    d.reason, length(d.content)
+             FROM {schema}.dead_message d
+             WHERE d.id > p_after
+               AND (p_queue IS NULL OR d.queue = p_queue)
+               AND (p_channel IS NULL OR d.channel = p_channel)
+               AND (p_state IS NULL OR p_state = 'dead')
+             ORDER BY d.id
+             LIMIT p_limit)
+        ) AS x
+        ORDER BY 1
+        LIMIT p_limit;
+END;
+$$;
+
+
+-- One message, live or dead, with its content and saved state (no row: not found).
+CREATE OR REPLACE FUNCTION {schema}.message_get_v1(p_id bigint)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    priority smallint, attempts integer, state text, dequeue_at timestamptz,
+    locked_until timestamptz, expires_at timestamptz, created_at timestamptz,
+    dead_at timestamptz, reason text, content bytea, saved_state bytea
+)
+LANGUAGE sql STABLE AS $$
+    SELECT m.id, m.queue::text, m.channel::text, m.name, m.priority, m.attempts,
+           CASE WHEN m.locked_until IS NOT NULL THEN 'locked'
+                WHEN m.dequeue_at > clock_timestamp() THEN 'delayed'
+                ELSE 'ready' END,
+           m.dequeue_at, m.locked_until, m.expires_at, m.created_at, NULL::timestamptz,
+           NULL::text, m.content, m.state
+    FROM {schema}.message m
+    WHERE m.id = p_id
+    UNION ALL
+    SELECT d.id, d.queue::text, d.channel::text, d.name, d.priority, d.attempts, 'dead', NULL,
+           NULL, NULL, d.created_at, d.dead_at, d.reason, d.content, d.state
+    FROM {schema}.dead_message d
+    WHERE d.id = p_id;
+$$;
+
+
+-- Delete messages by id, whatever their state (a held one's holder then finds it gone), and
+-- dead letters. result_code per id: 'deleted' or 'not_found'.
+CREATE OR REPLACE FUNCTION {schema}.message_remove_v1(p_ids bigint[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_d {schema}.discovery;
+    v_gone bigint[] := ARRAY[]::bigint[];
+    v_dead bigint[];
+    r record;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.message m WHERE m.id = ANY (p_ids)
+            RETURNING m.id, m.queue, m.channel, m.locked_until IS NOT NULL AS held, m.sized,
+                      m.slotted,
+                      m.arrival = 0 AND m.locked_until IS NULL
+                      AND NOT pg_visible_in_snapshot(m.txid, v_d.snap) AS fresh
+        ), per AS (
+            SELECT g.queue, g.channel, array_agg(g.id) AS ids, count(*)::integer AS n,
+                   count(*) FILTER (WHERE g.held)::integer AS h,
+                   count(*) FILTER (WHERE g.sized)::integer AS s,
+                   count(*) FILTER (WHERE g.slotted)::integer AS l,
+                   count(*) FILTER (WHERE g.fresh)::integer AS f
+            FROM gone g GROUP BY g.queue, g.channel
+        ), counted AS (
+            INSERT INTO {schema}.tally (queue, channel, enqueued, removed, removed_held)
+            SELECT p.queue, p.channel, p.f, p.n, p.h FROM per p
+        )
+        SELECT * FROM per ORDER BY queue, channel
+    LOOP
+        v_gone := v_gone || r.ids;
+        IF r.s > 0 OR r.l > 0 THEN
+            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, r.s, r.l);
+        END IF;
+    END LOOP;
+    WITH dead AS (
+        DELETE FROM {schema}.dead_message d WHERE d.id = ANY (p_ids) RETURNING d.id
+    )
+    SELECT array_agg(d.id) INTO v_dead FROM dead d;
+    RETURN QUERY
+        SELECT h.id,
+               CASE WHEN h.id = ANY (v_gone) OR h.id = ANY (coalesce(v_dead, ARRAY[]::bigint[]))
+                    THEN 'deleted' ELSE 'not_found' END
+        FROM unnest(p_ids) AS h(id);
+END;
+$$;
+
+
+-- Retry messages by id: a dead letter goes back to its queue and channel as a new message
+-- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now').
+-- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' or
+-- 'deduplicated' (a never-delivered message of the same name waits, new_id; the dead letter
+-- stays in both cases), 'not_found'.
+CREATE OR REPLACE FUNCTION {schema}.message_retry_v1(p_ids bigint[])
+RETURNS TABLE (message_id bigint, result_code text, new_id bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id bigint;
+    v_dead {schema}.dead_message;
+    v_code text;
+    v_new_id bigint;
+    v_queue text;
+    v_locked timestamptz;
+    v_at timestamptz;
+    v_d {schema}.discovery;
+BEGIN
+    -- with the ingest held: a message made due that was never ingested still counts once
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    FOR v_id IN SELECT DISTINCT u.id FROM unnest(p_ids) AS u(id) ORDER BY u.id LOOP
+        message_id := v_id;
+        new_id := NULL;
+        DELETE FROM {schema}.dead_message d WHERE d.id = v_id RETURNING d.* INTO v_dead;
+        IF FOUND THEN
+            SELECT c.result_code, c.message_id INTO v_code, v_new_id
+            FROM {schema}.message_create_v1(
+                v_dead.queue, v_dead.channel, v_dead.name, v_dead.content, v_dead.priority,
+                0, NULL) AS c;
+            IF v_code = 'dropped' THEN
+                INSERT INTO {schema}.dead_message SELECT (v_dead).*;
+                result_code := 'channel_full';
+            ELSIF v_code = 'deduplicated' THEN
+                -- a never-delivered message of that name waits: the dead letter stays
+                INSERT INTO {schema}.dead_message SELECT (v_dead).*;
+                result_code := 'deduplicated';
+                new_id := v_new_id;
+            ELSE
+                IF v_code = 'created' AND v_dead.state IS NOT NULL THEN
+                    UPDATE {schema}.message m SET state = v_dead.state WHERE m.id = v_new_id;
+                END IF;
+                result_code := 'retried';
+                new_id := v_new_id;
+            END IF;
+            RETURN NEXT;
+            CONTINUE;
+        END IF;
+        SELECT m.queue, m.locked_until, m.dequeue_at INTO v_queue, v_locked, v_at
+        FROM {schema}.message m WHERE m.id = v_id;
+        IF NOT FOUND THEN
+            result_code := 'not_found';
+        ELSIF v_locked IS NOT NULL THEN
+            result_code := 'locked';
+        ELSIF v_at <= clock_timestamp() THEN
+            result_code := 'ready';
+        ELSE
+            UPDATE {schema}.message m SET dequeue_at = clock_timestamp(),
+                txid = pg_current_xact_id(),
+                arrival = CASE WHEN m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap)
+                    THEN 0 ELSE 2 END
+            WHERE m.id = v_id AND m.locked_until IS NULL;
+            IF FOUND THEN
+                PERFORM {schema}.wake_v1(v_queue);
+                result_code := 'due_now';
+            ELSE
+                result_code := 'locked';
+            END IF;
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END;
+$$;
+
+
+-- Delete the dead letters of a queue; returns how many.
+CREATE OR REPLACE FUNCTION {schema}.dead_purge_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n bigint;
+BEGIN
+    DELETE FROM {schema}.dead_message d WHERE d.queue = p_queue;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    RETURN v_n;
+END;
+$$;
+
+
+-- Change a queue's settings (created with the defaults if new). p_settings holds any of:
+-- dead_letter (boolean), max_attempts (integer > 0, or null: no limit), dead_retention_ms
+-- (integer > 0). Other keys are refused.
+CREATE OR REPLACE FUNCTION {schema}.queue_configure_v1(p_queue text, p_settings jsonb) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+    v_key text;
+BEGIN
+    IF jsonb_typeof(p_settings) IS DISTINCT FROM 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = 'queue settings must be an object';
+    END IF;
+    FOR v_key IN SELECT jsonb_object_keys(p_settings) LOOP
+        IF v_key NOT IN ('dead_letter', 'max_attempts', 'dead_retention_ms') THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('unknown queue setting %L', v_key);
+        END IF;
+    END LOOP;
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        dead_letter = CASE WHEN p_settings ? 'dead_letter'
+            THEN (p_settings ->> 'dead_letter')::boolean ELSE q.dead_letter END,
+        max_attempts = CASE WHEN p_settings ? 'max_attempts'
+            THEN (p_settings ->> 'max_attempts')::integer ELSE q.max_attempts END,
+        dead_retention_ms = CASE WHEN p_settings ? 'dead_retention_ms'
+            THEN (p_settings ->> 'dead_retention_ms')::bigint ELSE q.dead_retention_ms END
+    WHERE q.id = v_queue_id;
+END;
+$$;
+
+
+-- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
+-- queue's retention (at most p_limit), and ingest and fold the counts.
+CREATE OR REPLACE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_shortest bigint;
+BEGIN
+    SELECT least(min(q.dead_retention_ms), 1209600000) INTO v_shortest FROM {schema}.queue q;
+    WITH old AS (
+        SELECT d.id FROM {schema}.dead_message d
+        LEFT JOIN {schema}.queue q ON q.name = d.queue
+        WHERE d.dead_at < v_now - coalesce(v_shortest, 1209600000) * interval '1 millisecond'
+          AND d.dead_at < v_now - coalesce(q.dead_retention_ms, 1209600000)
+              * interval '1 millisecond'
+        ORDER BY d.dead_at
+        LIMIT p_limit
+    ), gone AS (
+        DELETE FROM {schema}.dead_message d WHERE d.id IN (SELECT o.id FROM old o) RETURNING 1
+    )
+    SELECT count(*) INTO dead_pruned FROM gone;
+    PERFORM {schema}.ingest_v1(ARRAY[]::text[], false);
+END;
+$$;
+
+-- Security: callers run the entry points below with the rights of the schema's owner
+-- (SECURITY DEFINER, with a fixed search_path) and need no rights on the tables; nobody may
+-- execute a function unless granted (lonnymq.grant / `lonnymq grant`: producer, worker,
+-- admin). The internal functions are only called by the entry points.
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
+ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_create_many_v1(text[], text[], text[], bytea[], integer[], bigint[], bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_publish_v1(text, text, text, text, bytea, integer, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_delete_v1(bigint, uuid)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_delete_many_v1(bigint[], uuid[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_defer_v1(bigint, uuid, bigint, boolean, bytea)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_heartbeat_v1(bigint[], uuid[], bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_policy_set_v1(text, text, integer, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.channel_get_v1(text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.queue_policy_set_v1(text, integer, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_purge_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_stats_v1(text, boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.exchange_declare_v1(text, text, boolean, boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.exchange_delete_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_declare_v1(text, bigint, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_bind_v1(text, text, text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_unbind_v1(text, text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_touch_v1(text[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.expire_v1(integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_status_v1(boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.channel_list_v1(text, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.message_list_v1(text, text, text, bigint, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.message_get_v1(bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.message_remove_v1(bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.message_retry_v1(bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.dead_purge_v1(text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.queue_configure_v1(text, jsonb)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION {schema}.housekeep_v1(integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+-- Roles that could dequeue may use version 3; that could create, may create in batches;
+-- that could set policies (admins), may read a channel's policy and gauges.
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole::text AS role, p.proname
+        FROM pg_catalog.pg_proc p
+        CROSS JOIN LATERAL aclexplode(p.proacl) AS a
+        WHERE p.pronamespace = '{schema}'::regnamespace
+          AND p.proname IN ('message_dequeue_v2', 'message_create_v1', 'channel_policy_set_v1')
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner AND a.grantee <> 0
+    LOOP
+        EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s',
+            CASE r.proname
+                WHEN 'message_dequeue_v2' THEN
+                    '{schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)'::regprocedure
+                WHEN 'message_create_v1' THEN
+                    '{schema}.message_create_many_v1(text[], text[], text[], bytea[], integer[], bigint[], bigint[])'::regprocedure
+                ELSE '{schema}.channel_get_v1(text, text)'::regprocedure
+            END, r.role);
+    END LOOP;
+END;
+$$;
