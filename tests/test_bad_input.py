@@ -88,12 +88,11 @@ class Ctx:
 _SNAPSHOT = {
     "queue": "id, name, max_concurrency, max_size, expires_ms, message_ttl_ms",
     "channel": (
-        "id, queue_id, name, current_size, current_concurrency, max_concurrency, max_size, "
-        "has_policy, own_max_concurrency, own_max_size"
+        "queue, name, has_policy, own_max_concurrency, own_max_size, current_size, "
+        "current_concurrency"
     ),
     "message": (
-        "id, queue_id, channel_id, priority, attempts, dequeue_at, locked_until, name, "
-        "content, state"
+        "id, queue, channel, priority, attempts, dequeue_at, locked_until, name, content, state"
     ),
     "exchange": "name, type, durable, auto_delete",
     "binding": "exchange, routing_key, queue, pattern",

@@ -31,6 +31,7 @@ from psycopg import sql
 
 import lonnymq
 from lonnymq import ChannelFull, Created, Deduplicated, Outcome
+from tests import invariants
 
 Conn = psycopg.Connection[Any]
 Connect = Callable[..., Conn]
@@ -93,38 +94,10 @@ def ident(schema: str, table: str) -> sql.Composed:
     return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(table))
 
 
-def channel_id(conn: Conn, schema: str, queue: str, channel: str) -> int:
-    row = conn.execute(
-        sql.SQL(
-            "SELECT c.id FROM {} c JOIN {} q ON q.id = c.queue_id WHERE q.name = %s AND c.name = %s"
-        ).format(ident(schema, "channel"), ident(schema, "queue")),
-        (queue, channel),
-    ).fetchone()
-    assert row is not None, f"no channel row for {queue}/{channel}"
-    return int(row[0])
-
-
 def counter_mismatches(conn: Conn, schema: str) -> list[tuple[Any, ...]]:
-    """Channel rows whose counters disagree with their messages (or exceed max_concurrency),
-    and messages without a channel row; one statement, so one snapshot. Counters change in the
-    same transaction as the messages, so they must agree in every snapshot, not only at rest."""
-    query = sql.SQL(
-        """
-        SELECT 'counter', c.name, c.current_size, c.current_concurrency, c.max_concurrency,
-               count(m.id), count(m.id) FILTER (WHERE m.locked_until IS NOT NULL)
-        FROM {channel} c LEFT JOIN {message} m ON m.channel_id = c.id
-        GROUP BY c.id
-        HAVING c.current_size <> count(m.id)
-            OR c.current_concurrency <> count(m.id) FILTER (WHERE m.locked_until IS NOT NULL)
-            OR c.current_concurrency > coalesce(c.max_concurrency, c.current_concurrency)
-        UNION ALL
-        SELECT 'orphan', m.channel_id::text, NULL, NULL, NULL, count(*), NULL
-        FROM {message} m
-        WHERE NOT EXISTS (SELECT 1 FROM {channel} c WHERE c.id = m.channel_id)
-        GROUP BY m.channel_id
-        """
-    ).format(channel=ident(schema, "channel"), message=ident(schema, "message"))
-    return conn.execute(query).fetchall()
+    """Violations of the schema's invariants (counts, gauges, positions: tests/invariants.py),
+    in one statement, so one snapshot: they must hold in every snapshot, not only at rest."""
+    return invariants.mismatches(conn, schema)
 
 
 def message_ids(conn: Conn, schema: str) -> list[int]:
@@ -316,15 +289,13 @@ def test_max_concurrency_holds_under_concurrent_consumers(
     batch.execute(conn)
     limited_ids = sorted(created_id(p.get()) for p in pending_limited)
     free_ids = sorted(created_id(p.get()) for p in pending_free)
-    limited_id = channel_id(conn, schema, "default", "limited")
-
     locked_sql = sql.SQL(
-        "SELECT count(*) FROM {} WHERE locked_until IS NOT NULL AND channel_id = %s"
+        "SELECT count(*) FROM {} WHERE locked_until IS NOT NULL AND queue = %s AND channel = %s"
     ).format(ident(schema, "message"))
     sampled: list[int] = []
 
     def probe(c: Conn) -> None:
-        row = c.execute(locked_sql, (limited_id,)).fetchone()
+        row = c.execute(locked_sql, ("default", "limited")).fetchone()
         assert row is not None
         sampled.append(int(row[0]))
 

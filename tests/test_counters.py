@@ -1,6 +1,7 @@
-"""Cumulative counters and gauges (migration 3): broker.status and queue.channels. Counters
-live on channel rows and, once a channel row is deleted (it emptied), in the insert-only
-counter table, which housekeep compacts without changing any total."""
+"""Cumulative counters and gauges: broker.status and queue.channels. Counts are insert-only
+tallies (one row per call and channel), folded into per-channel counts (and, for a channel
+that emptied, per-queue counts) by the ingest and by housekeep, without changing any total;
+the gauges derive from them."""
 
 from __future__ import annotations
 
@@ -35,12 +36,14 @@ def counters(broker: lonnymq.Broker, conn: Conn, queue: str) -> Counters:
 
 
 def counter_rows(conn: Conn, schema: str, queue: str) -> int:
+    """Rows that hold a queue's counts outside its channels' own: tallies not folded yet, and
+    the folded counts of its channels that emptied."""
     row = conn.execute(
         sql.SQL(
-            "SELECT count(*) FROM {s}.counter x JOIN {s}.queue q ON q.id = x.queue_id "
-            "WHERE q.name = %s"
+            "SELECT (SELECT count(*) FROM {s}.tally t WHERE t.queue = %s) "
+            "+ (SELECT count(*) FROM {s}.queue_count qc WHERE qc.queue = %s)"
         ).format(s=sql.Identifier(schema)),
-        (queue,),
+        (queue, queue),
     ).fetchone()
     assert row is not None
     return int(row[0])
@@ -48,15 +51,21 @@ def counter_rows(conn: Conn, schema: str, queue: str) -> int:
 
 def all_counter_rows(conn: Conn, schema: str) -> int:
     row = conn.execute(
-        sql.SQL("SELECT count(*) FROM {}.counter").format(sql.Identifier(schema))
+        sql.SQL(
+            "SELECT (SELECT count(*) FROM {s}.tally) + (SELECT count(*) FROM {s}.queue_count)"
+        ).format(s=sql.Identifier(schema))
     ).fetchone()
     assert row is not None
     return int(row[0])
 
 
 def channel_rows(conn: Conn, schema: str) -> list[str]:
+    """The channels the broker lists (holding messages, or with a policy of their own)."""
     rows = conn.execute(
-        sql.SQL("SELECT name FROM {}.channel ORDER BY name").format(sql.Identifier(schema))
+        sql.SQL(
+            "SELECT c.channel_name FROM {s}.queue q "
+            "CROSS JOIN LATERAL {s}.channel_list_v1(q.name, 10000) AS c ORDER BY 1"
+        ).format(s=sql.Identifier(schema))
     ).fetchall()
     return [r[0] for r in rows]
 

@@ -29,6 +29,7 @@ from lonnymq.queue import (
 )
 from lonnymq.roles import FUNCTIONS, KINDS, Kind
 from tests.test_roles import dsn_as, kombu_as
+from tests import invariants
 
 Conn = psycopg.Connection[Any]
 
@@ -68,31 +69,10 @@ def fetch(conn: Conn, query: str, schema: str, *params: Any) -> list[tuple[Any, 
 
 
 def assert_channels_exact(conn: Conn, schema: str) -> None:
-    """Every channel row's size and concurrency equal a count of its messages; no empty row
-    without a policy lingers; a channel with something to hand out is never left waiting for
-    a turn it will not get (waiting_since set, and not later than it should be)."""
-    rows = fetch(
-        conn,
-        """SELECT c.name, c.current_size, c.current_concurrency, c.has_policy,
-                  (SELECT count(*) FROM {s}.message m WHERE m.channel_id = c.id),
-                  (SELECT count(*) FROM {s}.message m
-                   WHERE m.channel_id = c.id AND m.locked_until IS NOT NULL),
-                  c.waiting_since, {s}.channel_waiting_v1(c)
-           FROM {s}.channel c ORDER BY c.id""",
-        schema,
-    )
-    for name, size, in_flight, has_policy, n, held, waiting, should in rows:
-        assert (size, in_flight) == (n, held), name
-        assert size > 0 or has_policy, f"empty channel row {name!r} left behind"
-        if should is not None:
-            assert waiting is not None and waiting <= should, (name, waiting, should)
-    orphans = fetch(
-        conn,
-        "SELECT count(*) FROM {s}.message m "
-        "WHERE NOT EXISTS (SELECT 1 FROM {s}.channel c WHERE c.id = m.channel_id)",
-        schema,
-    )
-    assert orphans == [(0,)]
+    """The schema's invariants hold (tests/invariants.py): channel rows count exactly their
+    messages, the gauges are what the channels hold, no position skips a message, and a lane
+    with something to hand out has a turn."""
+    invariants.assert_consistent(conn, schema)
 
 
 def expire_locks() -> None:
@@ -1157,7 +1137,7 @@ def _upgrade(
     [retried] = broker.retry(admin, [ids[1]])
     assert retried.result == "retried"
     queue.configure(admin, max_attempts=1)
-    for table in ("counter", "dead_message"):
+    for table in ("dead_message", "lane", "tally", "channel_count", "queue_count"):
         admin.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, table)))
     again = one(queue.dequeue(worker, lock_ms=LOCK_MS))
     assert again.id == retried.new_id

@@ -524,7 +524,13 @@ class Channel(virtual.Channel):
         return self._payload(message)
 
     def _dequeue(self, queues: list[str], limit: int) -> DequeueResult:
-        op = dequeue_op(self.options.schema, queues, limit=limit, lock_ms=self.options.lock_ms)
+        op = dequeue_op(
+            self.options.schema,
+            queues,
+            limit=limit,
+            lock_ms=self.options.lock_ms,
+            listen=self.options.use_listen,
+        )
         started = time.perf_counter()
         result: DequeueResult = self._consume(op)
         _events.dequeue_time(time.perf_counter() - started)
@@ -752,6 +758,7 @@ class Transport(virtual.Transport):
             limit=limit,
             lock_ms=self.options.lock_ms,
             ack=[ack.ref for ack in acks],
+            listen=self.options.use_listen,
         )
         started = time.perf_counter()
         result = self._carrying(acks, op)

@@ -292,11 +292,16 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_key bigint := {schema}.queue_key_v1('sleep', p_queue);
 BEGIN
+    -- (a session's own sleep lock does not stop its own try: that session is told by the
+    -- setting it keeps of its sleep keys)
     IF pg_try_advisory_lock(v_key) THEN
         PERFORM pg_advisory_unlock(v_key);
-    ELSE
-        PERFORM pg_notify({wake}, p_queue);
+        IF v_key <> ALL (string_to_array(coalesce(current_setting('lonnymq.sleeping', true), ''),
+                                         ',')::bigint[]) THEN
+            RETURN;
+        END IF;
     END IF;
+    PERFORM pg_notify({wake}, p_queue);
 END;
 $$;
 
@@ -382,8 +387,9 @@ $$;
 
 -- Give back what removed (or unlocked) messages held on their channel row: p_sized messages
 -- of its current_size, p_slotted of its current_concurrency. A slot freed in a channel at its
--- max_concurrency gives its lane a turn again: at once when the lane is free, else by the
--- next ingest (`freed`). A row left with nothing to count and no policy is deleted.
+-- max_concurrency marks it `freed`: the next ingest (which the next dequeue runs, seeing it)
+-- gives its lane a turn again. (Only owners and the ingest write lanes: that is what keeps
+-- the queues' turn positions exact.) A row left with nothing to count and no policy goes.
 CREATE FUNCTION {schema}.channel_give_back_v1(
     p_queue text, p_channel text, p_sized integer, p_slotted integer
 ) RETURNS void
@@ -391,9 +397,6 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_row {schema}.channel;
     v_max integer;
-    v_lane {schema}.lane;
-    v_next record;
-    v_d {schema}.discovery;
 BEGIN
     SELECT * INTO v_row FROM {schema}.channel c
     WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
@@ -405,21 +408,7 @@ BEGIN
         SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
         IF v_max IS NOT NULL AND v_row.current_concurrency >= v_max
            AND v_row.current_concurrency - p_slotted < v_max THEN
-            -- it was saturated: its lane gets a turn again
-            IF pg_try_advisory_xact_lock({schema}.lane_key_v1(p_queue, p_channel)) THEN
-                v_lane := {schema}.lane_get_v1(p_queue, p_channel);
-                IF v_lane.id IS NOT NULL AND v_lane.turn_at IS NULL THEN
-                    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
-                    SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_d.snap);
-                    IF v_next.next_at IS NOT NULL THEN
-                        v_lane.turn_at := GREATEST(v_next.next_at, v_lane.served_at,
-                            clock_timestamp() - interval '1 millisecond');
-                        PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
-                    END IF;
-                END IF;
-            ELSE
-                v_row.freed := true;
-            END IF;
+            v_row.freed := true;
             PERFORM {schema}.wake_v1(p_queue);
         END IF;
         v_row.current_concurrency := GREATEST(0, v_row.current_concurrency - p_slotted);
@@ -582,6 +571,8 @@ DECLARE
     v_n integer[];
     v_id bigint[];
     v_made boolean[];
+    v_code text;
+    v_id1 bigint;
     r record;
     i integer;
 BEGIN
@@ -605,9 +596,11 @@ BEGIN
         WHERE i.n = ANY (v_sized)
         ORDER BY i.q, i.c, i.name NULLS FIRST, i.n
     LOOP
-        SELECT s.result_code, s.message_id INTO v_codes[r.n], v_ids[r.n]
+        SELECT s.result_code, s.message_id INTO v_code, v_id1
         FROM {schema}.message_create_sized_v1(r.q, r.c, r.name, r.content, r.prio, r.delay,
             r.ttl) AS s;
+        v_codes[r.n] := v_code;
+        v_ids[r.n] := v_id1;
     END LOOP;
     WITH input AS (
         SELECT i.n, i.q, i.c, i.name, i.content, i.prio,
@@ -653,9 +646,11 @@ BEGIN
             v_ids[r.n] := r.id;
         ELSE
             -- the one of that name was dequeued meanwhile: create after all
-            SELECT c.result_code, c.message_id INTO v_codes[r.n], v_ids[r.n]
+            SELECT c.result_code, c.message_id INTO v_code, v_id1
             FROM {schema}.message_create_v1(p_queues[r.n], p_channels[r.n], p_names[r.n],
                 p_contents[r.n], p_priorities[r.n], p_delays[r.n], p_ttls[r.n]) AS c;
+            v_codes[r.n] := v_code;
+            v_ids[r.n] := v_id1;
         END IF;
     END LOOP;
     FOR v_queue IN
@@ -696,9 +691,10 @@ $$;
 -- messages, deferred and requeued ones): give their lanes a turn, or an earlier one, and lower
 -- the lanes' positions to them; count the created ones; give a turn back to lanes whose
 -- channel got a slot back (`freed`); advance the scan positions of p_queues; fold the tallies
--- (at most once a second). One caller at a time (advisory lock): with p_wait it waits for the
--- current one, else it returns the latest state. Consumers deliver only what is ingested.
-CREATE FUNCTION {schema}.ingest_v1(p_queues text[], p_wait boolean)
+-- (at most once a second, or now with p_fold). One caller at a time (advisory lock): with
+-- p_wait it waits for the current one, else it returns the latest state. Consumers deliver
+-- only what is ingested.
+CREATE FUNCTION {schema}.ingest_v1(p_queues text[], p_wait boolean, p_fold boolean)
 RETURNS {schema}.discovery
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
@@ -813,13 +809,15 @@ BEGIN
     END LOOP;
 
     -- channels that got a slot back while at their max_concurrency: their lanes' turn again
+    -- (the lane, then the channel row: the order of the dequeue; an ack locks only the row)
     FOR r IN SELECT c.queue, c.name FROM {schema}.channel c WHERE c.freed ORDER BY c.queue, c.name LOOP
         PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.name));
+        SELECT c.current_concurrency INTO v_in_flight FROM {schema}.channel c
+        WHERE c.queue = r.queue AND c.name = r.name AND c.freed FOR UPDATE;
+        CONTINUE WHEN NOT FOUND;
         v_lane := {schema}.lane_get_v1(r.queue, r.name);
         IF v_lane.id IS NOT NULL AND v_lane.turn_at IS NULL THEN
             SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(r.queue, r.name) l;
-            SELECT c.current_concurrency INTO v_in_flight FROM {schema}.channel c
-            WHERE c.queue = r.queue AND c.name = r.name;
             IF v_max IS NULL OR v_in_flight < v_max THEN
                 SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
                 IF v_next.next_at IS NOT NULL THEN
@@ -866,7 +864,7 @@ BEGIN
             ORDER BY m.locked_until LIMIT 1);
     END LOOP;
 
-    v_fold := v_old.folded_at < v_now - interval '1 second';
+    v_fold := p_fold OR v_old.folded_at < v_now - interval '1 second';
     IF v_fold THEN
         PERFORM {schema}.fold_v1(v_old.folded, v_snap, v_cq, v_cc, v_cn);
         v_new.folded := v_snap;
@@ -982,8 +980,8 @@ $$;
 -- ---------------------------------------------------------------------------------------------
 
 -- The free slots of a channel with a max_concurrency, its row locked for the caller (created
--- when missing). 0 when another transaction holds the row (a producer of a limited channel or
--- an ack: the lane waits for a later dequeue rather than this one waiting for it).
+-- when missing). NULL when another transaction holds the row (a producer of a limited channel
+-- or an ack): the lane waits for a later dequeue rather than this one waiting for it.
 CREATE FUNCTION {schema}.channel_headroom_v1(p_queue text, p_channel text, OUT headroom integer, OUT max_concurrency integer)
 LANGUAGE plpgsql SET lock_timeout = '10ms' AS $$
 DECLARE
@@ -1000,14 +998,16 @@ BEGIN
         headroom := GREATEST(0, max_concurrency - v_current);
         RETURN;
     END IF;
-    headroom := 0;
+    headroom := NULL;
     IF NOT EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel) THEN
         BEGIN
             INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
-            ON CONFLICT DO NOTHING RETURNING max_concurrency INTO headroom;
-            headroom := coalesce(headroom, 0);
+            ON CONFLICT DO NOTHING;
+            IF FOUND THEN
+                headroom := max_concurrency;
+            END IF;
         EXCEPTION WHEN lock_not_available THEN
-            headroom := 0;
+            headroom := NULL;
         END;
     END IF;
 END;
@@ -1123,6 +1123,7 @@ DECLARE
     v_cands {schema}.lane[];
     v_own boolean[];
     v_cap integer[];
+    v_room integer[];
     v_max integer[];
     v_taken integer[];
     v_more boolean[];
@@ -1145,6 +1146,8 @@ DECLARE
     v_lane {schema}.lane;
     v_next record;
     v_retry bigint;
+    v_snap pg_snapshot;
+    v_dead integer := 0;
     i integer;
 BEGIN
     -- 0. a caller that slept (it found nothing last time) is awake again
@@ -1212,7 +1215,7 @@ BEGIN
                 OR EXISTS (SELECT 1 FROM pg_snapshot_xip(v_d.snap) AS x
                            WHERE pg_visible_in_snapshot(x, pg_current_snapshot()))
                 OR EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.freed)) THEN
-            v_d := {schema}.ingest_v1(p_queues, false);
+            v_d := {schema}.ingest_v1(p_queues, false, false);
             v_ingested := true;
             v_now := clock_timestamp();
         END IF;
@@ -1258,6 +1261,7 @@ BEGIN
                 ORDER BY m.id);
             IF cardinality(v_poison) > 0 THEN
                 FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+                    v_dead := v_dead + 1;
                     e_q := e_q || r.queue_name || r.queue_name;
                     e_c := e_c || r.channel_name || r.channel_name;
                     e_k := e_k || 'dead'::text || 'dead_held'::text;
@@ -1289,19 +1293,25 @@ BEGIN
         --    whether another one waits)
         v_n := 0;
         IF v_left > 0 AND v_qn IS NOT NULL THEN
-            v_cands := ARRAY(
+            -- (the ingest's state is read again in the same statement: a lane version is
+            -- never newer than the snapshot its positions are read with)
+            SELECT ARRAY(
                 SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
                 CROSS JOIN LATERAL (
                     SELECT l FROM {schema}.lane l
                     WHERE l.queue = u.q AND l.turn_at >= u.tf AND l.turn_at <= v_now
                     ORDER BY l.turn_at, l.id LIMIT v_left + 1
                 ) AS x
-                ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1);
+                ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
+                (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+            INTO v_cands, v_snap;
+            v_d.snap := v_snap;
             v_n := LEAST(cardinality(v_cands), v_left);
         END IF;
         IF v_n > 0 THEN
             v_own := array_fill(false, ARRAY[v_n]);
             v_cap := array_fill(0, ARRAY[v_n]);
+            v_room := array_fill(NULL::integer, ARRAY[v_n]);
             v_max := array_fill(NULL::integer, ARRAY[v_n]);
             v_taken := array_fill(0, ARRAY[v_n]);
             v_more := array_fill(false, ARRAY[v_n]);
@@ -1312,8 +1322,15 @@ BEGIN
                 IF NOT (v_cands[i]).limited THEN
                     v_cap[i] := v_left;
                 ELSIF v_own[i] THEN
-                    SELECT h.headroom, h.max_concurrency INTO v_cap[i], v_max[i]
+                    SELECT h.headroom, h.max_concurrency INTO r
                     FROM {schema}.channel_headroom_v1((v_cands[i]).queue, (v_cands[i]).channel) AS h;
+                    IF r.headroom IS NULL THEN
+                        v_own[i] := false;  -- its channel row is busy: not served this time
+                    ELSE
+                        v_room[i] := r.headroom;
+                        v_cap[i] := LEAST(r.headroom, v_left);
+                        v_max[i] := r.max_concurrency;
+                    END IF;
                 END IF;
             END LOOP;
             -- passes: an equal share of what is left to each lane that may give more
@@ -1437,6 +1454,7 @@ BEGIN
                         ORDER BY m.id);
                     IF cardinality(v_poison) > 0 THEN
                         FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+                            v_dead := v_dead + 1;
                             e_q := e_q || r.queue_name;
                             e_c := e_c || r.channel_name;
                             e_k := e_k || 'dead'::text;
@@ -1474,7 +1492,7 @@ BEGIN
                 IF v_taken[i] > 0 THEN
                     v_lane.served_at := v_served + i * interval '1 microsecond';
                 END IF;
-                IF v_max[i] IS NOT NULL AND v_cap[i] - v_taken[i] <= 0 THEN
+                IF v_max[i] IS NOT NULL AND v_room[i] - v_taken[i] <= 0 THEN
                     v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
                 ELSIF v_more[i] THEN
                     v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at);
@@ -1507,7 +1525,7 @@ BEGIN
             CONTINUE;
         END IF;
         EXIT WHEN v_ingested;
-        v_d := {schema}.ingest_v1(p_queues, false);
+        v_d := {schema}.ingest_v1(p_queues, false, false);
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
@@ -1525,7 +1543,8 @@ BEGIN
     END IF;
 
     IF v_got = 0 THEN
-        v_retry := {schema}.queue_retry_ms_v1(p_queues, v_d);
+        -- (after dead-lettering, look again at once: what comes next may be deliverable)
+        v_retry := CASE WHEN v_dead > 0 THEN 0 ELSE {schema}.queue_retry_ms_v1(p_queues, v_d) END;
         IF v_busy THEN
             v_retry := LEAST(coalesce(v_retry, 20), 20);
         END IF;
@@ -2771,7 +2790,7 @@ BEGIN
         DELETE FROM {schema}.dead_message d WHERE d.id IN (SELECT o.id FROM old o) RETURNING 1
     )
     SELECT count(*) INTO dead_pruned FROM gone;
-    PERFORM {schema}.ingest_v1(ARRAY[]::text[], false);
+    PERFORM {schema}.ingest_v1(ARRAY[]::text[], true, true);
 END;
 $$;
 
