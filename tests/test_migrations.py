@@ -202,7 +202,7 @@ def test_fresh_install_equals_replayed_migrations(
         "ALTER TABLE {s}.message ADD COLUMN extra integer",
         "ALTER TABLE {s}.message ALTER COLUMN attempts TYPE bigint",
         "ALTER TABLE {s}.message ALTER COLUMN name SET NOT NULL",
-        "ALTER TABLE {s}.channel ALTER COLUMN served_at SET DEFAULT 'infinity'",
+        "ALTER TABLE {s}.lane ALTER COLUMN served_at SET DEFAULT 'infinity'",
         "ALTER TABLE {s}.queue DROP CONSTRAINT queue_max_size_check",
         "DROP INDEX {s}.message_locked_idx",
         "CREATE INDEX message_extra_idx ON {s}.message (created_at)",
@@ -232,7 +232,7 @@ def test_catalog_comparison_sees_a_changed_function_body(
     lonnymq.install(conn, other_schema)
     row = conn.execute(
         "SELECT pg_get_functiondef(%s::regprocedure)",
-        (f"{other_schema}.channel_next_due_v1(bigint)",),
+        (f"{other_schema}.lane_next_v1({other_schema}.lane, pg_snapshot)",),
     ).fetchone()
     assert row is not None
     changed = str(row[0]).replace("LIMIT 1", "LIMIT 2", 1)
@@ -506,30 +506,37 @@ def test_migrations_default_schema_and_shape() -> None:
 # The functions the Python queue API reaches; all must run with an empty search_path.
 API_FUNCTIONS = {
     "queue_ensure_v1",
-    "channel_next_due_v1",
-    "channel_waiting_v1",
-    "channel_lock_v1",
-    "channel_store_v1",
+    "wake_v1",
+    "lane_put_v1",
+    "message_create_sized_v1",
     "message_create_v1",
-    "channel_take_v1",
+    "message_create_many_v1",
+    "ingest_v1",
+    "fold_v1",
+    "channel_headroom_v1",
+    "queue_idle_v1",
     "queue_retry_ms_v1",
-    "message_dequeue_v1",
+    "message_dequeue_v3",
     "message_dequeue_v2",
+    "message_dequeue_v1",
     "message_ack_dequeue_v1",
-    "channel_release_v1",
+    "message_delete_many_v1",
     "message_delete_v1",
     "message_defer_v1",
     "message_heartbeat_v1",
+    "message_bury_v1",
+    "message_reject_v1",
+    "channel_give_back_v1",
+    "channel_apply_v1",
     "channel_policy_set_v1",
     "channel_policy_clear_v1",
     "queue_policy_set_v1",
     "queue_purge_v1",
     "queue_delete_v1",
     "queue_stats_v1",
-    "message_bury_v1",
-    "message_reject_v1",
     "queue_status_v1",
     "channel_list_v1",
+    "channel_get_v1",
     "message_list_v1",
     "message_get_v1",
     "message_remove_v1",
@@ -537,6 +544,11 @@ API_FUNCTIONS = {
     "dead_purge_v1",
     "queue_configure_v1",
     "housekeep_v1",
+    "lane_next_v1",
+    "lane_get_v1",
+    "channel_limits_v1",
+    "positions_merge_v1",
+    "lane_key_v1",
 }
 
 
@@ -594,6 +606,17 @@ def test_everything_works_with_an_empty_search_path(
         sql.SQL("SELECT count(*) FROM {}.message_dequeue_v1(ARRAY['default'], 1, 1000)").format(
             sql.Identifier(schema)
         )
+    ).fetchone() == (1,)
+    # and versions 2 and 4's (clients of schema versions 3 and 4)
+    assert conn.execute(
+        sql.SQL("SELECT count(*) FROM {}.message_dequeue_v2(ARRAY['default'], 1, 1000)").format(
+            sql.Identifier(schema)
+        )
+    ).fetchone() == (1,)
+    assert conn.execute(
+        sql.SQL(
+            "SELECT count(*) FROM {}.message_ack_dequeue_v1('{{}}', '{{}}', ARRAY['default'], 1, 1000)"
+        ).format(sql.Identifier(schema))
     ).fetchone() == (1,)
 
     # dead letters: reject, max_attempts, list, show, retry, remove, settings, housekeeping
@@ -665,12 +688,12 @@ def test_everything_works_with_an_empty_search_path(
     ("damage", "operation"),
     [
         ("DROP FUNCTION {s}.message_create_v1", "create"),
-        ("DROP FUNCTION {s}.channel_lock_v1", "create new"),  # message_create_v1, new channel
+        # message_create_v1, into a channel with a max_size
+        ("DROP FUNCTION {s}.message_create_sized_v1", "create new"),
         ("DROP TABLE {s}.message CASCADE", "create"),
-        ("DROP FUNCTION {s}.message_dequeue_v2", "dequeue"),
-        # called by message_dequeue_v2 when a delayed message of a higher priority heads
-        # the channel
-        ("DROP FUNCTION {s}.channel_take_v1", "dequeue behind a delayed message"),
+        ("DROP FUNCTION {s}.message_dequeue_v3", "dequeue"),
+        # called by message_dequeue_v3 for a lane it took the last messages of
+        ("DROP FUNCTION {s}.lane_next_v1", "dequeue behind a delayed message"),
         ("DROP FUNCTION {s}.message_delete_v1", "delete"),
     ],
 )
@@ -692,6 +715,7 @@ def test_half_installed_schema_is_a_clear_error(
         if operation == "create":
             queue.channel("a").message.create(conn, b"z")
         elif operation == "create new":
+            queue.channel("new").policy.set(conn, max_size=5)
             queue.channel("new").message.create(conn, b"z")
         elif operation.startswith("dequeue"):
             queue.dequeue(conn)

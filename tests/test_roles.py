@@ -90,9 +90,9 @@ def test_producer_creates_and_nothing_more(
     for query in (
         "SELECT * FROM {s}.message",
         "DELETE FROM {s}.message",
-        "UPDATE {s}.channel SET max_size = 1",
+        "UPDATE {s}.channel SET own_max_size = 1",
         "INSERT INTO {s}.queue (name) VALUES ('x')",
-        "SELECT {s}.channel_lock_v1(1, 'x')",  # an internal function
+        "SELECT {s}.ingest_v1('{{}}', false, false)",  # an internal function
         "CREATE TABLE {s}.evil (id int)",
     ):
         assert denied(producer, query, schema), query

@@ -193,12 +193,16 @@ def test_nasty_names_are_just_data(
     assert [t[0] for t in tables] == [
         "binding",
         "channel",
-        "counter",
+        "channel_count",
         "dead_message",
+        "discovery",
         "exchange",
+        "lane",
         "message",
         "migration",
         "queue",
+        "queue_count",
+        "tally",
     ]
 
 

@@ -150,7 +150,10 @@ CREATE TABLE {schema}.discovery (
     expire_from timestamptz NOT NULL DEFAULT '-infinity'
 );
 
-INSERT INTO {schema}.discovery (snap, folded) VALUES (pg_current_snapshot(), pg_current_snapshot());
+-- (only when there is none: a repair of the schema must not claim what is not ingested)
+INSERT INTO {schema}.discovery (snap, folded)
+SELECT pg_current_snapshot(), pg_current_snapshot()
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.discovery);
 
 -- A channel's lane: append-only versions, the one with the highest id per (queue, channel)
 -- is live (the others are deleted when superseded). turn_at: when it is the lane's turn

@@ -45,6 +45,21 @@ ALTER TABLE {schema}.channel_v4 RENAME CONSTRAINT channel_pkey TO channel_v4_pke
 ALTER TABLE {schema}.channel_v4 RENAME CONSTRAINT channel_queue_id_name_key TO channel_v4_queue_id_name_key;
 ALTER INDEX {schema}.channel_waiting_idx RENAME TO channel_v4_waiting_idx;
 ALTER TABLE {schema}.counter RENAME TO counter_v4;
+-- (their check constraints too: the new tables' get the same names)
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT c.conrelid::regclass AS rel, c.conname FROM pg_catalog.pg_constraint c
+        WHERE c.conrelid IN ('{schema}.message_v4'::regclass, '{schema}.channel_v4'::regclass)
+          AND c.contype = 'c'
+    LOOP
+        EXECUTE format('ALTER TABLE %s RENAME CONSTRAINT %I TO %I', r.rel, r.conname,
+                       r.conname || '_v4');
+    END LOOP;
+END;
+$$;
 
 -- 3. Names compare byte by byte ("C") wherever they meet.
 ALTER TABLE {schema}.queue ALTER COLUMN name TYPE text COLLATE "C";
@@ -131,7 +146,10 @@ CREATE TABLE {schema}.discovery (
     expire_from timestamptz NOT NULL DEFAULT '-infinity'
 );
 
-INSERT INTO {schema}.discovery (snap, folded) VALUES (pg_current_snapshot(), pg_current_snapshot());
+-- (only when there is none: a repair of the schema must not claim what is not ingested)
+INSERT INTO {schema}.discovery (snap, folded)
+SELECT pg_current_snapshot(), pg_current_snapshot()
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.discovery);
 
 -- A channel's lane: append-only versions, the one with the highest id per (queue, channel)
 -- is live (the others are deleted when superseded). turn_at: when it is the lane's turn
