@@ -46,8 +46,8 @@ WHERE m.sized AND NOT EXISTS (
     SELECT 1 FROM {s}.channel c WHERE c.queue = m.queue AND c.name = m.channel)
 UNION ALL
 SELECT 'gauges', coalesce(t.queue, a.queue) || '/' || coalesce(t.channel, a.channel),
-       format('size %s held %s, in flight %s locked %s',
-              coalesce(t.size, 0), coalesce(a.n, 0), coalesce(t.in_flight, 0), coalesce(a.locked, 0))
+       format('size %s held %s, in flight %s locked %s', coalesce(t.size, 0),
+              coalesce(a.n, 0), coalesce(t.in_flight, 0), coalesce(a.locked, 0))
 FROM (
     SELECT x.queue, x.channel,
            x.enqueued - x.acked - x.dead - x.expired - x.removed - x.purged AS size,

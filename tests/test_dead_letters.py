@@ -28,8 +28,8 @@ from lonnymq.queue import (
     RetryResult,
 )
 from lonnymq.roles import FUNCTIONS, KINDS, Kind
-from tests.test_roles import dsn_as, kombu_as
 from tests import invariants
+from tests.test_roles import dsn_as, kombu_as
 
 Conn = psycopg.Connection[Any]
 

@@ -512,6 +512,7 @@ API_FUNCTIONS = {
     "message_create_v1",
     "message_create_many_v1",
     "ingest_v1",
+    "ingest_due_v1",
     "fold_v1",
     "channel_headroom_v1",
     "queue_idle_v1",
@@ -615,7 +616,8 @@ def test_everything_works_with_an_empty_search_path(
     ).fetchone() == (1,)
     assert conn.execute(
         sql.SQL(
-            "SELECT count(*) FROM {}.message_ack_dequeue_v1('{{}}', '{{}}', ARRAY['default'], 1, 1000)"
+            "SELECT count(*) FROM "
+            "{}.message_ack_dequeue_v1('{{}}', '{{}}', ARRAY['default'], 1, 1000)"
         ).format(sql.Identifier(schema))
     ).fetchone() == (1,)
 

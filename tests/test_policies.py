@@ -231,25 +231,40 @@ def _payloads(listener: Conn, timeout: float = 0.3) -> list[str]:
 def test_notify_on_create_defer_and_freed_slot(
     broker: lonnymq.Broker, conn: Conn, connect: Callable[..., Conn]
 ) -> None:
+    """A NOTIFY wakes consumers that sleep (their last dequeue found nothing): on a create, a
+    defer, a freed concurrency slot and a delayed message. While no consumer sleeps (they
+    are all busy), producers send none: each NOTIFY costs a database-wide lock at commit."""
     listener = _listen(connect, broker)
     q = broker.queue("jobs")
+    consumer = connect()
+    assert not q.dequeue(consumer)  # sleeps on "jobs" until its next dequeue
     q.channel("a").message.create(conn, b"1")
     assert _payloads(listener) == ["jobs"]
-    # the channel already has something to hand out: no second wake-up
+    held = q.dequeue(consumer, limit=2, lock_ms=60_000).messages  # awake, and busy
     q.channel("a").message.create(conn, b"2")
-    assert _payloads(listener, 0.2) == []
-    held = q.dequeue(conn, limit=2, lock_ms=60_000).messages
-    assert _payloads(listener, 0.2) == []
+    assert _payloads(listener, 0.2) == []  # nobody sleeps: no NOTIFY
+    held += q.dequeue(consumer, limit=2, lock_ms=60_000).messages
+    assert len(held) == 2
+    assert not q.dequeue(consumer)  # sleeps again
     held[0].defer(conn)
     assert _payloads(listener) == ["jobs"]
     # a freed concurrency slot wakes consumers
     q.channel("a").policy.set(conn, max_concurrency=1)
-    assert not q.dequeue(conn)
+    assert not q.dequeue(consumer)
     held[1].delete(conn)
     assert _payloads(listener) == ["jobs"]
     # a delayed message wakes consumers too, so they can set a timer (retry_ms)
+    assert [m.content for m in q.dequeue(consumer, lock_ms=60_000).messages] == [b"1"]
+    assert not q.dequeue(consumer)
     q.channel("z").message.create(conn, b"later", delay_ms=60_000)
     assert _payloads(listener) == ["jobs"]
+    # a connection that does not listen is not counted as sleeping
+    other = connect()
+    assert q.dequeue(consumer).retry_ms is not None  # consumer sleeps, then...
+    assert not q.dequeue(other, listen=False)
+    q.dequeue(consumer, listen=False)  # ... wakes up without going back to sleep
+    q.channel("b").message.create(conn, b"b")
+    assert _payloads(listener, 0.2) == []
 
 
 def test_wake_channel_is_per_schema(broker: lonnymq.Broker) -> None:

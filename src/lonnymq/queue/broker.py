@@ -120,9 +120,7 @@ class Broker:
         a connection that does not wait for notifications (a pooled one, say).
         """
         held = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in ack]
-        op = dequeue_op(
-            self.schema, queues, limit=limit, lock_ms=lock_ms, ack=held, listen=listen
-        )
+        op = dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms, ack=held, listen=listen)
         return run(require_sync(conn), op)
 
     def delete(self, conn: Conn, message_id: int, lock_token: uuid.UUID) -> Outcome:

@@ -60,6 +60,7 @@ def _result(code: str, message_id: int | None, queue: str, channel: str) -> Crea
 def create_many_op(schema: str, rows: list[CreateArgs]) -> Op[list[CreateResult]]:
     """Many creates in one call (a batch's): one result per row, in order; refused ones are
     :class:`Dropped` (the caller decides whether that is an error)."""
+
     def parse(found: Rows) -> list[CreateResult]:
         by_ord = {r[0]: (r[1], r[2]) for r in found}
         out = []

@@ -1108,6 +1108,22 @@ BEGIN
 END;
 $$;
 
+-- Is there anything for the ingest since p_snap: a message made ready in a transaction not
+-- visible in it (read from the start of that range of the txid index, which holds only
+-- messages not ingested yet), one of its running transactions that has committed since, or
+-- a channel that got a slot back?
+CREATE OR REPLACE FUNCTION {schema}.ingest_due_v1(p_snap pg_snapshot) RETURNS boolean
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
+    RETURN EXISTS (SELECT 1 FROM pg_snapshot_xip(p_snap) AS x
+                   WHERE pg_visible_in_snapshot(x, pg_current_snapshot()))
+        OR (SELECT m.txid FROM {schema}.message m
+            WHERE m.txid >= pg_snapshot_xmax(p_snap) AND m.locked_until IS NULL
+            ORDER BY m.txid LIMIT 1) IS NOT NULL
+        OR EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.freed);
+END;
+$$;
+
 -- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms; with
 -- p_ack_ids/p_ack_tokens, delete those held messages first (a consumer's acks travel with
 -- its next dequeue: rows 'ack_state_invalid' / 'ack_not_found' for those that did not
@@ -1267,11 +1283,7 @@ BEGIN
            AND (v_got < p_limit OR v_d.taken_at < v_now - interval '1 millisecond')
            AND (v_d.folded_at < v_now - interval '1 second'
                 OR NOT (p_queues <@ v_d.queues)
-                OR EXISTS (SELECT 1 FROM {schema}.message m
-                           WHERE m.txid >= pg_snapshot_xmax(v_d.snap) AND m.locked_until IS NULL)
-                OR EXISTS (SELECT 1 FROM pg_snapshot_xip(v_d.snap) AS x
-                           WHERE pg_visible_in_snapshot(x, pg_current_snapshot()))
-                OR EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.freed)) THEN
+                OR {schema}.ingest_due_v1(v_d.snap)) THEN
             v_d := {schema}.ingest_v1(p_queues, false, false);
             v_ingested := true;
             v_now := clock_timestamp();
@@ -1352,11 +1364,15 @@ BEGIN
         IF v_left > 0 AND v_qn IS NOT NULL THEN
             -- (the ingest's state is read again in the same statement: a lane version is
             -- never newer than the snapshot its positions are read with)
+            -- (due: at most a millisecond from now, so that a lane another consumer has
+            -- just moved to the back, at its clock, is due for this one too)
+            v_now := clock_timestamp();
             SELECT ARRAY(
                 SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
                 CROSS JOIN LATERAL (
                     SELECT l FROM {schema}.lane l
-                    WHERE l.queue = u.q AND l.turn_at >= u.tf AND l.turn_at <= v_now
+                    WHERE l.queue = u.q AND l.turn_at >= u.tf
+                      AND l.turn_at <= v_now + interval '1 millisecond'
                     ORDER BY l.turn_at, l.id LIMIT v_left + 1
                 ) AS x
                 ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
@@ -2526,7 +2542,11 @@ RETURNS TABLE (
     enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
     expired bigint, dropped bigint
 )
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql AS $$
+BEGIN
+    -- what committed since the ingest's snapshot (a lane's turn after a freed slot, say)
+    PERFORM {schema}.ingest_v1(ARRAY[p_queue], false, false);
+    RETURN QUERY
     WITH t AS MATERIALIZED (SELECT * FROM {schema}.channel_totals_v1(p_queue)),
     c AS (
         SELECT coalesce(t.channel, ch.name) AS channel,
@@ -2552,6 +2572,7 @@ LANGUAGE sql STABLE AS $$
     WHERE c.size > 0 OR c.has_policy
     ORDER BY c.size DESC, c.in_flight DESC, c.channel
     LIMIT p_limit;
+END;
 $$;
 
 
@@ -2928,7 +2949,7 @@ ALTER FUNCTION {schema}.housekeep_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 -- Roles that could dequeue may use version 3; that could create, may create in batches;
--- that could set policies (admins), may read a channel's policy and gauges.
+-- that could set policies (admins), may read a channel's policy and gauges, and every table.
 DO $$
 DECLARE
     r record;
@@ -2949,6 +2970,13 @@ BEGIN
                     '{schema}.message_create_many_v1(text[], text[], text[], bytea[], integer[], bigint[], bigint[])'::regprocedure
                 ELSE '{schema}.channel_get_v1(text, text)'::regprocedure
             END, r.role);
+        IF r.proname = 'channel_policy_set_v1' THEN
+            EXECUTE format('GRANT SELECT ON %s, %s, %s, %s, %s, %s, %s TO %s',
+                '{schema}.message'::regclass, '{schema}.channel'::regclass,
+                '{schema}.lane'::regclass, '{schema}.tally'::regclass,
+                '{schema}.discovery'::regclass, '{schema}.channel_count'::regclass,
+                '{schema}.queue_count'::regclass, r.role);
+        END IF;
     END LOOP;
 END;
 $$;
