@@ -18,6 +18,7 @@ from psycopg import sql
 
 import lonnymq
 from lonnymq import CURRENT_VERSION, Outcome, migrator
+from tests import invariants
 
 Conn = psycopg.Connection[Any]
 Catalog = dict[str, list[tuple[Any, ...]]]
@@ -513,6 +514,7 @@ API_FUNCTIONS = {
     "message_create_many_v1",
     "ingest_v1",
     "ingest_due_v1",
+    "snapshot_v1",
     "fold_v1",
     "channel_headroom_v1",
     "queue_idle_v1",
@@ -738,3 +740,90 @@ def test_install_over_a_schema_without_migration_table(
     with pytest.raises(lonnymq.SchemaError):
         lonnymq.install(conn, schema)
     assert catalog(conn, schema) == before
+
+
+# --- 9. the upgrade from version 4 -----------------------------------------------------------
+
+
+def test_upgrade_from_version_4_keeps_every_message_and_the_running_workers(
+    schema: str, connect: Callable[..., Conn]
+) -> None:
+    """Migration 5 moves messages ready, delayed, in flight (on a limited channel too) and
+    de-duplicated by name, with their ids, locks and tokens, and keeps the counters. A worker
+    of version 4 still running goes on calling the functions of version 4: it acks what it
+    held through message_ack_dequeue_v1 and gets the rest; producers of version 4
+    (message_create_v1, message_publish_v1) too."""
+    conn = connect()
+    steps = lonnymq.migrations(schema)
+    for _, text in steps[:4]:
+        with conn.transaction():
+            conn.execute(text.encode())
+    s = sql.Identifier(schema)
+
+    def call(query: str, *params: Any) -> list[tuple[Any, ...]]:
+        return conn.execute(sql.SQL(query).format(s=s), params).fetchall()
+
+    call("SELECT {s}.channel_policy_set_v1('jobs', 'limited', 1, NULL)")
+    for channel, content, delay, name in (
+        ("limited", "l1", 0, None),
+        ("limited", "l2", 0, None),
+        ("a", "a1", 0, None),
+        ("a", "a2", 0, "unique"),
+        ("b", "later", 3_600_000, None),
+    ):
+        call(
+            "SELECT * FROM {s}.message_create_v1('jobs', %s, %s, %s::bytea, 0, %s, NULL)",
+            channel,
+            name,
+            content.encode(),
+            delay,
+        )
+    held = call(
+        "SELECT message_id, message_lock_token, channel_name, message_content "
+        "FROM {s}.message_dequeue_v2('{{jobs}}', 2, 600000)"
+    )
+    assert sorted(bytes(r[3]) for r in held) == [b"a1", b"l1"]
+    before = {(r[0], r[2]) for r in call("SELECT id, lock_token FROM {s}.message")}
+
+    with conn.transaction():
+        conn.execute(steps[4][1].encode())
+    assert lonnymq.Broker(schema).check(conn) == CURRENT_VERSION
+    assert {(r[0], r[2]) for r in call("SELECT id, lock_token FROM {s}.message")} == before
+    invariants.assert_consistent(conn, schema)
+    broker = lonnymq.Broker(schema)
+    [status] = broker.status(conn)
+    assert (status.total, status.in_flight, status.ready, status.delayed) == (5, 2, 2, 1)
+    assert (status.counters.enqueued, status.counters.delivered) == (5, 2)
+
+    # the running worker of version 4: acks what it held with its next dequeue (version 4's
+    # function), gets a2 and l2 (the limited channel's slot is free again)
+    ids = [r[0] for r in held]
+    tokens = [r[1] for r in held]
+    got = call(
+        "SELECT message_id, message_content, event FROM "
+        "{s}.message_ack_dequeue_v1(%s, %s, '{{jobs}}', 10, 600000)",
+        ids,
+        tokens,
+    )
+    assert sorted(bytes(r[1]) for r in got) == [b"a2", b"l2"]
+    # a producer of version 4: de-duplication still sees the moved message (delivered now:
+    # a new one is created), and publish routes as before
+    [(code, _)] = call(
+        "SELECT * FROM {s}.message_create_v1('jobs', 'a', 'unique', 'x'::bytea, 0, 0, NULL)"
+    )
+    assert code == "created"
+    assert [
+        r[1]
+        for r in call(
+            "SELECT * FROM {s}.message_publish_v1('', 'jobs', 'b', NULL, 'p'::bytea, 0, 0, NULL)"
+        )
+    ] == ["created"]
+    # the new client sees everything
+    [status] = broker.status(conn)
+    assert (status.total, status.in_flight, status.delayed) == (5, 2, 1)
+    assert (status.counters.enqueued, status.counters.delivered, status.counters.acked) == (
+        7,
+        4,
+        2,
+    )
+    invariants.assert_consistent(conn, schema)

@@ -314,22 +314,60 @@ def _status_row(s: QueueStatus, now: datetime, style: _term.Style) -> list[str]:
     ]
 
 
+def horizon_warning(conn: psycopg.Connection[Any], broker: Broker, threshold: float) -> str | None:
+    """A warning naming what holds back the database's cleanup horizon, when the oldest
+    session or prepared transaction is older than ``threshold`` seconds (or a replication
+    slot holds it back), else None."""
+    holders = broker.horizon(conn, limit=5)
+    hidden = sum(int(h.detail or 0) for h in holders if h.kind == "hidden")
+    old = [
+        h
+        for h in holders
+        if (h.kind in ("session", "prepared") and (h.age_s or 0) >= threshold)
+        or (h.kind == "slot" and (h.xid_age or 0) > 0)
+    ]
+    if not old:
+        return None
+    h = old[0]
+    age = _term.age(h.age_s) if h.age_s is not None else f"{h.xid_age} transactions"
+    if h.kind == "session":
+        who = (
+            f"session pid {h.pid} (application {h.application_name or '-'!r}, "
+            f"state {h.state or '-'}) has held a snapshot for {age}"
+        )
+    elif h.kind == "prepared":
+        who = f"prepared transaction {h.application_name!r} has been open for {age}"
+    else:
+        who = f"replication slot {h.application_name!r} holds back {age}"
+    more = f" ({len(old) - 1} more)" if len(old) > 1 else ""
+    unseen = f"; {hidden} session(s) of other roles are not visible" if hidden else ""
+    return (
+        f"warning: {who}{more}{unseen}. Postgres keeps every row deleted since then: "
+        "lonnymq's tables grow until it ends (docs/operations.md, 'A held snapshot')"
+    )
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     broker = Broker(args.schema)
     with _connect(args) as conn:
         broker.check(conn)
         statuses, now = _read_status(conn, broker, args)
+        warning = horizon_warning(conn, broker, args.snapshot_warn)
     code = 1 if args.queues and len(statuses) < len(set(args.queues)) else 0
     if args.json:
         _print_json([_status_dict(s, now) for s in statuses])
+        if warning:
+            print(warning, file=sys.stderr)
         return code
     style = _style(args)
     if not statuses:
         if not args.queues:
             print("no queues")
-        return code
-    rows = [_status_row(s, now, style) for s in statuses]
-    print(_term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 7))))
+    else:
+        rows = [_status_row(s, now, style) for s in statuses]
+        print(_term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 7))))
+    if warning:
+        print(style(warning, "yellow"))
     return code
 
 
@@ -445,6 +483,9 @@ def cmd_top(args: argparse.Namespace) -> int:
                     )
                     body = _term.table(_TOP_HEAD, rows, style, right=frozenset(range(1, 11)))
                     text = f"{title}\n{summary}\n\n{body}\n"
+                    warning = horizon_warning(conn, broker, args.snapshot_warn)
+                    if warning:
+                        text += style(warning, "yellow") + "\n"
                     if live:
                         sys.stdout.write("\x1b[H\x1b[2J" + text)
                         sys.stdout.write(
@@ -930,6 +971,13 @@ def parser() -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--all", action="store_true", help="also show idle Celery/kombu plumbing queues"
+        )
+        p.add_argument(
+            "--snapshot-warn",
+            type=_seconds,
+            default=60.0,
+            metavar="SECONDS",
+            help="warn when a session has held a snapshot for longer (default 60)",
         )
 
     status = sub.add_parser(

@@ -31,7 +31,7 @@ import psycopg
 
 from ._url import mask_password
 from .exceptions import ConfigurationError, LonnyMQError
-from .queue import Broker, QueueStatus
+from .queue import Broker, HorizonHolder, QueueStatus
 
 try:
     from prometheus_client import CollectorRegistry, start_http_server
@@ -70,18 +70,19 @@ class DatabaseCollector(Collector):
         #: the last error reading the database (password masked), for the log
         self.last_error: str | None = None
 
-    def _read(self) -> tuple[list[QueueStatus], Any]:
+    def _read(self) -> tuple[list[QueueStatus], Any, list[HorizonHolder]]:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
         try:
             statuses = self.broker.status(self._conn, count_ready=self.count_ready)
+            holders = self.broker.horizon(self._conn, limit=5)
             row = self._conn.execute("SELECT clock_timestamp()").fetchone()
         except BaseException:
             self._conn.close()
             self._conn = None
             raise
         assert row is not None
-        return statuses, row[0]
+        return statuses, row[0], holders
 
     def describe(self) -> list[Metric]:
         """Nothing: registering the collector must not read the database."""
@@ -92,7 +93,7 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("lonnymq_up", "1 when the last scrape could read the database")
         try:
             with self._lock:
-                statuses, now = self._read()
+                statuses, now, holders = self._read()
         except (psycopg.Error, LonnyMQError, OSError) as exc:
             error = mask_password(str(exc)).strip()
             if error != self.last_error:
@@ -143,6 +144,26 @@ class DatabaseCollector(Collector):
             yield oldest
         yield channels
         yield from counters.values()
+        snapshot = GaugeMetricFamily(
+            "lonnymq_oldest_snapshot_age_seconds",
+            "How long the oldest transaction or snapshot of a session of this database (or a "
+            "prepared transaction) has held back the cleanup horizon (0: none)",
+        )
+        snapshot.add_metric(
+            [],
+            max(
+                (h.age_s or 0.0 for h in holders if h.kind in ("session", "prepared")),
+                default=0.0,
+            ),
+        )
+        yield snapshot
+        xids = GaugeMetricFamily(
+            "lonnymq_oldest_snapshot_xid_age",
+            "Transactions since the oldest cleanup horizon held back (sessions, prepared "
+            "transactions, replication slots; 0: none)",
+        )
+        xids.add_metric([], max((h.xid_age or 0 for h in holders), default=0))
+        yield xids
         took = GaugeMetricFamily(
             "lonnymq_scrape_duration_seconds", "How long reading the database took"
         )

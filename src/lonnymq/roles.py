@@ -45,6 +45,7 @@ _PRODUCER = (
     "queue_bind_v1",
     "queue_stats_v1",
     "queue_status_v1",
+    "horizon_v1",
 )
 _WORKER = (
     *_PRODUCER,

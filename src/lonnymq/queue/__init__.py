@@ -7,6 +7,7 @@ from .finalize import KEEP
 from .operate import (
     ChannelStatus,
     Counters,
+    HorizonHolder,
     MessageDetail,
     MessageInfo,
     QueueSettings,
@@ -30,6 +31,7 @@ __all__ = [
     "Deduplicated",
     "DequeueResult",
     "Dropped",
+    "HorizonHolder",
     "Message",
     "MessageDetail",
     "MessageInfo",

@@ -26,6 +26,7 @@ from .operate import (
     DEFAULT_SETTINGS,
     UNSET,
     ChannelStatus,
+    HorizonHolder,
     MessageDetail,
     MessageInfo,
     QueueSettings,
@@ -36,6 +37,7 @@ from .operate import (
     configure_op,
     dead_purge_op,
     get_op,
+    horizon_op,
     housekeep_op,
     list_op,
     reject_op,
@@ -192,6 +194,13 @@ class Broker:
         into ready and delayed reads them (cost grows with the backlog): ``count_ready=False``
         skips it."""
         return run(require_sync(conn), status_op(self.schema, count_ready=count_ready))
+
+    def horizon(self, conn: Conn, *, limit: int = 5) -> list[HorizonHolder]:
+        """What holds back the database's cleanup horizon, oldest first (sessions with an
+        old snapshot or transaction, prepared transactions, replication slots). Every row
+        deleted since the oldest began stays until it ends: lonnymq's scans start past such
+        rows, but its tables grow (see docs/operations.md, "A held snapshot")."""
+        return run(require_sync(conn), horizon_op(self.schema, limit=limit))
 
     def messages(
         self,

@@ -31,6 +31,7 @@ _DEAD_PURGE: LiteralString = "SELECT {schema}.dead_purge_v1(%s::text)"
 _CONFIGURE: LiteralString = "SELECT {schema}.queue_configure_v1(%s::text, %s::jsonb)"
 _REJECT: LiteralString = "SELECT {schema}.message_reject_v1(%s::bigint, %s::uuid, %s::text)"
 _HOUSEKEEP: LiteralString = "SELECT {schema}.housekeep_v1(%s::integer)"
+_HORIZON: LiteralString = "SELECT * FROM {schema}.horizon_v1(%s::integer)"
 _SETTINGS: LiteralString = (
     "SELECT q.dead_letter, q.max_attempts, q.dead_retention_ms FROM {schema}.queue q "
     "WHERE q.name = %s::text"
@@ -167,6 +168,36 @@ class MessageDetail:
         except (ValueError, UnicodeDecodeError):
             return None
         return data if isinstance(data, dict) else None
+
+
+@dataclass(frozen=True, slots=True)
+class HorizonHolder:
+    """Something that holds back the database's cleanup horizon (see
+    :meth:`lonnymq.Broker.horizon`). ``kind``: ``session`` (a transaction or snapshot of a
+    session of this database: ``pid``, ``application_name``, ``state``, ``since`` its
+    transaction began, ``detail`` its query), ``prepared`` (a prepared transaction: its gid
+    in ``application_name``), ``slot`` (a replication slot: its name), or ``hidden``
+    (``detail``: how many sessions of other roles the schema's owner may not see)."""
+
+    kind: str
+    pid: int | None
+    application_name: str | None
+    state: str | None
+    since: datetime | None
+    #: seconds since ``since``
+    age_s: float | None
+    #: transactions since its horizon
+    xid_age: int | None
+    detail: str | None
+
+
+def horizon_op(schema: str, *, limit: int = 5) -> Op[list[HorizonHolder]]:
+    count = _checks.integer(limit, "limit", low=1, high=1000)
+
+    def parse(rows: Rows) -> list[HorizonHolder]:
+        return [HorizonHolder(*row) for row in rows]
+
+    return Op(schema, render(_HORIZON, schema), (count,), parse)
 
 
 def _nonneg(value: Any) -> int:

@@ -130,7 +130,7 @@ CREATE INDEX message_expires_idx ON {schema}.message (expires_at) WHERE expires_
 -- with a backward scan of the primary key, so superseded rows are never walked). `snap`:
 -- every message that became ready in a transaction visible in it has been ingested.
 -- `folded`: the tallies of the transactions visible in it are in channel_count/queue_count.
--- Per queue (parallel arrays, queues sorted): turn_from, no live lane turn is earlier;
+-- Per queue (parallel arrays): turn_from, no live lane turn is earlier;
 -- lock_from, no live lock of the queue expired before it without being handled; lock_next,
 -- a hint of the next lock expiry.
 CREATE TABLE {schema}.discovery (
@@ -143,7 +143,14 @@ CREATE TABLE {schema}.discovery (
     turn_from timestamptz[] NOT NULL DEFAULT '{{}}',
     lock_from timestamptz[] NOT NULL DEFAULT '{{}}',
     lock_next timestamptz[] NOT NULL DEFAULT '{{}}',
-    expire_from timestamptz NOT NULL DEFAULT '-infinity'
+    expire_from timestamptz NOT NULL DEFAULT '-infinity',
+    -- lanes this ingest could not write (their owner was serving them): their new heads per
+    -- priority, applied by the next ingest (nobody waits for anybody)
+    pend_queue text[] COLLATE "C" NOT NULL DEFAULT '{{}}',
+    pend_channel text[] COLLATE "C" NOT NULL DEFAULT '{{}}',
+    pend_prio smallint[] NOT NULL DEFAULT '{{}}',
+    pend_at timestamptz[] NOT NULL DEFAULT '{{}}',
+    pend_id bigint[] NOT NULL DEFAULT '{{}}'
 );
 
 -- (only when there is none: a repair of the schema must not claim what is not ingested)
@@ -725,6 +732,25 @@ $$;
 -- Ingest
 -- ---------------------------------------------------------------------------------------------
 
+-- The current snapshot, with the caller's own transaction among the running ones. (A
+-- transaction's own snapshot leaves its xid out: what it writes after the ingest, such as
+-- its tally, would pass for ingested and never be.)
+CREATE OR REPLACE FUNCTION {schema}.snapshot_v1() RETURNS pg_snapshot
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_snap pg_snapshot := pg_current_snapshot();
+    v_own xid8 := pg_current_xact_id_if_assigned();
+BEGIN
+    IF v_own IS NULL OR NOT pg_visible_in_snapshot(v_own, v_snap) THEN
+        RETURN v_snap;
+    END IF;
+    RETURN format('%s:%s:%s', LEAST(pg_snapshot_xmin(v_snap), v_own), pg_snapshot_xmax(v_snap),
+        array_to_string(ARRAY(
+            SELECT x FROM (SELECT pg_snapshot_xip(v_snap) AS x UNION SELECT v_own) AS u
+            ORDER BY x), ','))::pg_snapshot;
+END;
+$$;
+
 -- Positions merged: per priority, the earlier of the old and the new (p_* are the new ones).
 CREATE OR REPLACE FUNCTION {schema}.positions_merge_v1(
     p_lane {schema}.lane, p_prios smallint[], p_at timestamptz[], p_id bigint[],
@@ -784,9 +810,14 @@ BEGIN
         RETURN v_old;
     END IF;
     SELECT * INTO v_old FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
-    v_snap := pg_current_snapshot();
+    v_snap := {schema}.snapshot_v1();
     v_now := clock_timestamp();
     v_new := v_old;
+    v_new.pend_queue := '{{}}';
+    v_new.pend_channel := '{{}}';
+    v_new.pend_prio := '{{}}';
+    v_new.pend_at := '{{}}';
+    v_new.pend_id := '{{}}';
     -- what was in progress then and has committed since
     v_xip := ARRAY(SELECT x FROM pg_snapshot_xip(v_old.snap) AS x
                    WHERE pg_visible_in_snapshot(x, v_snap));
@@ -800,6 +831,11 @@ BEGIN
             SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
             FROM {schema}.message m
             WHERE m.txid = ANY (v_xip) AND m.locked_until IS NULL
+            UNION ALL
+            -- the heads the last ingest could not write (counted then)
+            SELECT p.q, p.c, p.prio, p.at, p.id, 1::smallint
+            FROM unnest(v_old.pend_queue, v_old.pend_channel, v_old.pend_prio, v_old.pend_at,
+                        v_old.pend_id) AS p(q, c, prio, at, id)
         ), heads AS (
             SELECT DISTINCT ON (f.queue, f.channel, f.priority)
                    f.queue, f.channel, f.priority, f.dequeue_at, f.id
@@ -831,7 +867,16 @@ BEGIN
             v_cc := v_cc || r.channel;
             v_cn := v_cn || r.created;
         END IF;
-        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel));
+        -- a lane its owner is serving right now: for the next ingest (no waiting)
+        IF NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel)) THEN
+            v_new.pend_queue := v_new.pend_queue || array_fill(r.queue, ARRAY[cardinality(r.prios)]);
+            v_new.pend_channel := v_new.pend_channel
+                || array_fill(r.channel, ARRAY[cardinality(r.prios)]);
+            v_new.pend_prio := v_new.pend_prio || r.prios;
+            v_new.pend_at := v_new.pend_at || r.pos_at;
+            v_new.pend_id := v_new.pend_id || r.pos_id;
+            CONTINUE;
+        END IF;
         v_lane := {schema}.lane_get_v1(r.queue, r.channel);
         v_put := v_lane;
         IF v_lane.id IS NULL THEN
@@ -867,10 +912,11 @@ BEGIN
 
     -- channels that got a slot back while at their max_concurrency: their lanes' turn again
     -- (the lane, then the channel row: the order of the dequeue; an ack locks only the row)
+    -- (a lane being served, or a row an ack holds, waits for the next ingest)
     FOR r IN SELECT c.queue, c.name FROM {schema}.channel c WHERE c.freed ORDER BY c.queue, c.name LOOP
-        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.name));
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.name));
         SELECT c.current_concurrency INTO v_in_flight FROM {schema}.channel c
-        WHERE c.queue = r.queue AND c.name = r.name AND c.freed FOR UPDATE;
+        WHERE c.queue = r.queue AND c.name = r.name AND c.freed FOR UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;
         v_lane := {schema}.lane_get_v1(r.queue, r.name);
         IF v_lane.id IS NOT NULL AND v_lane.turn_at IS NULL THEN
@@ -933,9 +979,11 @@ BEGIN
     v_new.snap := v_snap;
     v_new.taken_at := v_now;
     INSERT INTO {schema}.discovery
-        (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, expire_from)
+        (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, expire_from,
+         pend_queue, pend_channel, pend_prio, pend_at, pend_id)
     VALUES (v_new.snap, v_new.folded, v_new.taken_at, v_new.folded_at, v_new.queues,
-            v_new.turn_from, v_new.lock_from, v_new.lock_next, v_new.expire_from)
+            v_new.turn_from, v_new.lock_from, v_new.lock_next, v_new.expire_from,
+            v_new.pend_queue, v_new.pend_channel, v_new.pend_prio, v_new.pend_at, v_new.pend_id)
     RETURNING * INTO v_new;
     DELETE FROM {schema}.discovery d WHERE d.id = v_old.id;
     RETURN v_new;
@@ -1006,7 +1054,8 @@ BEGIN
         CONTINUE WHEN EXISTS (
             SELECT 1 FROM {schema}.channel c
             WHERE c.queue = r.queue AND c.name = r.channel AND c.has_policy);
-        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel));
+        -- (a lane being served goes at a later fold)
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel));
         v_lane := {schema}.lane_get_v1(r.queue, r.channel);
         CONTINUE WHEN v_lane.id IS NOT NULL AND v_lane.turn_at IS NOT NULL;
         DELETE FROM {schema}.lane l WHERE l.queue = r.queue AND l.channel = r.channel;
@@ -1283,6 +1332,7 @@ BEGIN
            AND (v_got < p_limit OR v_d.taken_at < v_now - interval '1 millisecond')
            AND (v_d.folded_at < v_now - interval '1 second'
                 OR NOT (p_queues <@ v_d.queues)
+                OR cardinality(v_d.pend_queue) > 0
                 OR {schema}.ingest_due_v1(v_d.snap)) THEN
             v_d := {schema}.ingest_v1(p_queues, false, false);
             v_ingested := true;
@@ -1541,8 +1591,11 @@ BEGIN
             END LOOP;
 
             -- 5. the owned lanes: positions past what they took, the turn to the back (or at
-            --    the next due message, or none)
+            --    the next due message, or none). Positions are read with the latest snapshot of
+            --    the ingest: one that looked at a lane and left it as it was (its positions
+            --    covered what it found) did so before this call took the lane's key.
             v_served := clock_timestamp();
+            SELECT d.snap INTO v_snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
             FOR i IN 1 .. v_n LOOP
                 CONTINUE WHEN NOT v_own[i];
                 v_lane := v_cands[i];
@@ -1557,7 +1610,7 @@ BEGIN
                     AND v_lane.written_at > v_now - interval '5 milliseconds';
                 -- positions at the first message not taken (what this call took is locked
                 -- now; what another running dequeue holds still counts)
-                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_d.snap);
+                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
                 v_lane.prios := v_next.prios;
                 v_lane.pos_at := v_next.pos_at;
                 v_lane.pos_id := v_next.pos_id;
@@ -2451,9 +2504,10 @@ BEGIN
         IF v_from > v_d.expire_from THEN
             INSERT INTO {schema}.discovery
                 (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next,
-                 expire_from)
+                 expire_from, pend_queue, pend_channel, pend_prio, pend_at, pend_id)
             VALUES (v_d.snap, v_d.folded, v_d.taken_at, v_d.folded_at, v_d.queues,
-                    v_d.turn_from, v_d.lock_from, v_d.lock_next, v_from);
+                    v_d.turn_from, v_d.lock_from, v_d.lock_next, v_from, v_d.pend_queue,
+                    v_d.pend_channel, v_d.pend_prio, v_d.pend_at, v_d.pend_id);
             DELETE FROM {schema}.discovery d WHERE d.id = v_d.id;
         END IF;
     END IF;
@@ -2531,6 +2585,48 @@ LANGUAGE sql STABLE AS $$
     LEFT JOIN {schema}.queue_count qc ON qc.queue = q.name
     LEFT JOIN w ON w.queue = q.name
     ORDER BY q.name;
+$$;
+
+
+-- What holds back the database's cleanup horizon, oldest first: sessions of this database
+-- with a snapshot or a transaction id (a transaction left idle, a long report, pg_dump),
+-- prepared transactions and replication slots (a standby with hot_standby_feedback). Rows
+-- deleted since they began stay, dead, until they end: lonnymq's scans start past them, but
+-- its tables grow. Sessions of other roles show only if the schema's owner may read them
+-- (pg_read_all_stats); a row of kind 'hidden' counts those it may not.
+CREATE OR REPLACE FUNCTION {schema}.horizon_v1(p_limit integer)
+RETURNS TABLE (
+    kind text, pid integer, application_name text, state text, since timestamptz,
+    age_s double precision, xid_age integer, detail text
+)
+LANGUAGE sql STABLE AS $$
+    SELECT h.* FROM (
+        SELECT 'session'::text AS kind, a.pid, a.application_name::text, a.state,
+               coalesce(a.xact_start, a.backend_start) AS since,
+               extract(epoch FROM clock_timestamp() - coalesce(a.xact_start, a.backend_start))::double precision AS age_s,
+               GREATEST(age(a.backend_xmin), age(a.backend_xid)) AS xid_age, left(a.query, 200) AS detail
+        FROM pg_catalog.pg_stat_activity a
+        WHERE a.datname = current_database() AND a.pid <> pg_backend_pid()
+          AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+        UNION ALL
+        SELECT 'prepared', NULL, p.gid, 'prepared', p.prepared,
+               extract(epoch FROM clock_timestamp() - p.prepared), age(p.transaction),
+               p.owner::text
+        FROM pg_catalog.pg_prepared_xacts p
+        WHERE p.database = current_database()
+        UNION ALL
+        SELECT 'slot', s.active_pid, s.slot_name, CASE WHEN s.active THEN 'active' ELSE 'inactive' END,
+               NULL, NULL, GREATEST(age(s.xmin), age(s.catalog_xmin)), s.slot_type
+        FROM pg_catalog.pg_replication_slots s
+        WHERE s.xmin IS NOT NULL OR s.catalog_xmin IS NOT NULL
+        UNION ALL
+        SELECT 'hidden', NULL, NULL, NULL, NULL, NULL, NULL, count(*)::text
+        FROM pg_catalog.pg_stat_activity a
+        WHERE a.datname = current_database() AND a.query = '<insufficient privilege>'
+        HAVING count(*) > 0
+    ) AS h
+    ORDER BY h.xid_age DESC NULLS LAST, h.age_s DESC NULLS LAST
+    LIMIT p_limit
 $$;
 
 
@@ -2931,6 +3027,8 @@ ALTER FUNCTION {schema}.expire_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION {schema}.queue_status_v1(boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.horizon_v1(integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.channel_list_v1(text, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_list_v1(text, text, text, bigint, integer)
@@ -2949,7 +3047,8 @@ ALTER FUNCTION {schema}.housekeep_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 -- Roles that could dequeue may use version 3; that could create, may create in batches;
--- that could set policies (admins), may read a channel's policy and gauges, and every table.
+-- that could set policies (admins), may read a channel's policy and gauges, and every table;
+-- that could read the status, what holds back the cleanup horizon.
 DO $$
 DECLARE
     r record;
@@ -2959,7 +3058,8 @@ BEGIN
         FROM pg_catalog.pg_proc p
         CROSS JOIN LATERAL aclexplode(p.proacl) AS a
         WHERE p.pronamespace = '{schema}'::regnamespace
-          AND p.proname IN ('message_dequeue_v2', 'message_create_v1', 'channel_policy_set_v1')
+          AND p.proname IN ('message_dequeue_v2', 'message_create_v1', 'channel_policy_set_v1',
+                            'queue_status_v1')
           AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner AND a.grantee <> 0
     LOOP
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s',
@@ -2968,6 +3068,7 @@ BEGIN
                     '{schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)'::regprocedure
                 WHEN 'message_create_v1' THEN
                     '{schema}.message_create_many_v1(text[], text[], text[], bytea[], integer[], bigint[], bigint[])'::regprocedure
+                WHEN 'queue_status_v1' THEN '{schema}.horizon_v1(integer)'::regprocedure
                 ELSE '{schema}.channel_get_v1(text, text)'::regprocedure
             END, r.role);
         IF r.proname = 'channel_policy_set_v1' THEN
