@@ -132,7 +132,10 @@ CREATE INDEX message_expires_idx ON {schema}.message (expires_at) WHERE expires_
 -- `folded`: the tallies of the transactions visible in it are in channel_count/queue_count.
 -- Per queue (parallel arrays): turn_from, no live lane turn is earlier;
 -- lock_from, no live lock of the queue expired before it without being handled; lock_next,
--- a hint of the next lock expiry.
+-- no live lock of the queue expires before it (NULL: none is known), and while the message
+-- lock_id still has that expiry, it is the next one (kept from the tallies of the calls that
+-- take or extend locks, and checked by primary key: never found by walking message_locked_idx,
+-- whose entries of acked messages a held snapshot keeps).
 CREATE TABLE {schema}.discovery (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     snap pg_snapshot NOT NULL,
@@ -143,6 +146,7 @@ CREATE TABLE {schema}.discovery (
     turn_from timestamptz[] NOT NULL DEFAULT '{{}}',
     lock_from timestamptz[] NOT NULL DEFAULT '{{}}',
     lock_next timestamptz[] NOT NULL DEFAULT '{{}}',
+    lock_id bigint[] NOT NULL DEFAULT '{{}}',
     expire_from timestamptz NOT NULL DEFAULT '-infinity',
     -- lanes this ingest could not write (their owner was serving them): their new heads per
     -- priority, applied by the next ingest (nobody waits for anybody)
@@ -197,7 +201,12 @@ CREATE TABLE {schema}.tally (
     dropped integer NOT NULL DEFAULT 0,
     removed integer NOT NULL DEFAULT 0,
     removed_held integer NOT NULL DEFAULT 0,
-    purged integer NOT NULL DEFAULT 0
+    purged integer NOT NULL DEFAULT 0,
+    -- the earliest expiry of the locks this call took or extended (the ingest's hint of the
+    -- next expiry comes from here, not from a walk of message_locked_idx, whose entries of
+    -- acked messages a held snapshot keeps)
+    lock_until timestamptz,
+    lock_id bigint
 );
 
 CREATE INDEX tally_txid_idx ON {schema}.tally (txid);
@@ -802,6 +811,7 @@ DECLARE
     v_cn integer[] := ARRAY[]::integer[];
     v_fold boolean;
     v_next record;
+    v_next_id bigint;
 BEGIN
     IF p_wait THEN
         PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
@@ -937,6 +947,27 @@ BEGIN
           AND c.current_size = 0 AND c.current_concurrency = 0;
     END LOOP;
 
+    -- the locks taken or extended since the last ingest: per queue, the earliest (and its
+    -- message) lowers the queue's next expiry (every queue known, the caller's or not)
+    FOR r IN
+        SELECT DISTINCT ON (t.queue) t.queue, t.lock_until, t.lock_id
+        FROM (
+            SELECT t.queue, t.lock_until, t.lock_id FROM {schema}.tally t
+            WHERE t.txid >= pg_snapshot_xmax(v_old.snap) AND t.txid < pg_snapshot_xmax(v_snap)
+              AND pg_visible_in_snapshot(t.txid, v_snap) AND t.lock_until IS NOT NULL
+            UNION ALL
+            SELECT t.queue, t.lock_until, t.lock_id FROM {schema}.tally t
+            WHERE t.txid = ANY (v_xip) AND t.lock_until IS NOT NULL
+        ) AS t
+        ORDER BY t.queue, t.lock_until, t.lock_id
+    LOOP
+        v_i := array_position(v_new.queues, r.queue);
+        IF v_i IS NOT NULL AND (v_new.lock_next[v_i] IS NULL OR r.lock_until < v_new.lock_next[v_i]) THEN
+            v_new.lock_next[v_i] := r.lock_until;
+            v_new.lock_id[v_i] := r.lock_id;
+        END IF;
+    END LOOP;
+
     -- scan positions of the caller's queues
     FOREACH v_q IN ARRAY ARRAY(SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) ORDER BY u.q) LOOP
         v_i := array_position(v_new.queues, v_q);
@@ -944,7 +975,8 @@ BEGIN
             v_new.queues := v_new.queues || v_q;
             v_new.turn_from := v_new.turn_from || '-infinity'::timestamptz;
             v_new.lock_from := v_new.lock_from || '-infinity'::timestamptz;
-            v_new.lock_next := v_new.lock_next || v_now;
+            v_new.lock_next := v_new.lock_next || '-infinity'::timestamptz;
+            v_new.lock_id := v_new.lock_id || NULL::bigint;
             v_i := cardinality(v_new.queues);
         END IF;
         -- no live turn of the queue is earlier than the first one found from the old position
@@ -959,12 +991,19 @@ BEGIN
             WHERE m.queue = v_q AND m.locked_until >= v_new.lock_from[v_i]
               AND m.locked_until <= v_now
             ORDER BY m.locked_until LIMIT 1), v_now);
-        -- a hint of the next expiry (a lock taken for a shorter time may come earlier)
-        v_new.lock_next[v_i] := (
-            SELECT m.locked_until FROM {schema}.message m
-            WHERE m.queue = v_q AND m.locked_until > v_now
-              AND m.locked_until >= coalesce(v_new.lock_next[v_i], v_now)
-            ORDER BY m.locked_until LIMIT 1);
+        -- the next lock expiry: while the message named still has it, it is the next one;
+        -- else (acked, extended, taken over) the first live lock from it on (the entries
+        -- between, of acked messages, are walked about once: the bound moves on past them)
+        IF v_new.lock_next[v_i] IS NOT NULL AND NOT EXISTS (
+            SELECT 1 FROM {schema}.message m
+            WHERE m.id = v_new.lock_id[v_i] AND m.queue = v_q
+              AND m.locked_until = v_new.lock_next[v_i]) THEN
+            SELECT m.locked_until, m.id INTO v_at, v_next_id FROM {schema}.message m
+            WHERE m.queue = v_q AND m.locked_until >= v_new.lock_next[v_i]
+            ORDER BY m.locked_until LIMIT 1;
+            v_new.lock_next[v_i] := v_at;  -- (NULL: no lock)
+            v_new.lock_id[v_i] := v_next_id;
+        END IF;
     END LOOP;
 
     v_fold := p_fold OR v_old.folded_at < v_now - interval '1 second';
@@ -979,10 +1018,10 @@ BEGIN
     v_new.snap := v_snap;
     v_new.taken_at := v_now;
     INSERT INTO {schema}.discovery
-        (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, expire_from,
-         pend_queue, pend_channel, pend_prio, pend_at, pend_id)
+        (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, lock_id,
+         expire_from, pend_queue, pend_channel, pend_prio, pend_at, pend_id)
     VALUES (v_new.snap, v_new.folded, v_new.taken_at, v_new.folded_at, v_new.queues,
-            v_new.turn_from, v_new.lock_from, v_new.lock_next, v_new.expire_from,
+            v_new.turn_from, v_new.lock_from, v_new.lock_next, v_new.lock_id, v_new.expire_from,
             v_new.pend_queue, v_new.pend_channel, v_new.pend_prio, v_new.pend_at, v_new.pend_id)
     RETURNING * INTO v_new;
     DELETE FROM {schema}.discovery d WHERE d.id = v_old.id;
@@ -1022,7 +1061,8 @@ BEGIN
                 SELECT * FROM gone
                 UNION ALL SELECT * FROM gone_late
                 UNION ALL
-                SELECT NULL::xid8, u.q, u.c, u.n, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+                SELECT NULL::xid8, u.q, u.c, u.n, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                       NULL::timestamptz, NULL::bigint
                 FROM unnest(p_q, p_c, p_n) AS u(q, c, n)
             ) AS g
             WHERE EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.name = g.queue)
@@ -1213,6 +1253,8 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_lock_until timestamptz;
+    v_lock_id bigint;
     v_d {schema}.discovery;
     v_ingested boolean := false;
     v_slept boolean := false;
@@ -1327,10 +1369,13 @@ BEGIN
     SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
     LOOP
         -- 2. ingest what committed since the snapshot: at most every millisecond while this
-        --    call finds enough, else now
+        --    call finds enough, else now; and every 10 ms at least, which moves the points
+        --    from which lanes are read past the versions consumers superseded meanwhile
+        --    (dead rows that a snapshot held elsewhere keeps from being vacuumed)
         IF NOT v_ingested
            AND (v_got < p_limit OR v_d.taken_at < v_now - interval '1 millisecond')
-           AND (v_d.folded_at < v_now - interval '1 second'
+           AND (v_d.taken_at < v_now - interval '10 milliseconds'
+                OR v_d.folded_at < v_now - interval '1 second'
                 OR NOT (p_queues <@ v_d.queues)
                 OR cardinality(v_d.pend_queue) > 0
                 OR {schema}.ingest_due_v1(v_d.snap)) THEN
@@ -1401,6 +1446,10 @@ BEGIN
                 e_c := e_c || r.channel || r.channel;
                 e_k := e_k || 'delivered'::text || 'redelivered'::text;
                 v_got := v_got + 1;
+                IF v_lock_until IS NULL OR r.locked_until < v_lock_until THEN
+                    v_lock_until := r.locked_until;
+                    v_lock_id := r.id;
+                END IF;
                 RETURN QUERY SELECT r.id, r.queue::text, r.channel::text, r.name, r.priority,
                     r.attempts, r.lock_token, r.created_at, r.content, r.state, NULL::bigint,
                     'redelivered'::text;
@@ -1448,7 +1497,18 @@ BEGIN
                     SELECT h.headroom, h.max_concurrency INTO r
                     FROM {schema}.channel_headroom_v1((v_cands[i]).queue, (v_cands[i]).channel) AS h;
                     IF r.headroom IS NULL THEN
-                        v_own[i] := false;  -- its channel row is busy: not served this time
+                        -- its channel row is busy (an open transaction of a producer of a
+                        -- channel with a max_size, or of an ack): not served this time, and
+                        -- its turn a little later, so that it does not hold back the point
+                        -- from which the lanes are read (which would then walk every lane
+                        -- version written meanwhile)
+                        v_own[i] := false;
+                        v_lane := v_cands[i];
+                        v_lane.turn_at := GREATEST(v_lane.turn_at,
+                                                   clock_timestamp() + interval '10 milliseconds');
+                        IF EXISTS (SELECT 1 FROM {schema}.lane l WHERE l.id = v_lane.id) THEN
+                            PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
+                        END IF;
                     ELSE
                         v_room[i] := r.headroom;
                         v_cap[i] := LEAST(r.headroom, v_left);
@@ -1556,6 +1616,11 @@ BEGIN
                 END LOOP;
                 v_got := v_got + cardinality(v_locked);
                 v_left := p_limit - v_got;
+                IF cardinality(v_locked) > 0
+                   AND (v_lock_until IS NULL OR v_now + v_lock < v_lock_until) THEN
+                    v_lock_until := v_now + v_lock;
+                    v_lock_id := v_locked[1];
+                END IF;
                 IF cardinality(v_locked) < cardinality(v_take) THEN
                     -- past their time to live: deleted
                     FOR r IN
@@ -1659,11 +1724,13 @@ BEGIN
     -- the tally of this call: one row per channel
     IF cardinality(e_q) > 0 THEN
         INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
-                                    dead_held)
+                                    dead_held, lock_until, lock_id)
         SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
                count(*) FILTER (WHERE u.k = 'redelivered'), count(*) FILTER (WHERE u.k = 'acked'),
                count(*) FILTER (WHERE u.k = 'expired'), count(*) FILTER (WHERE u.k = 'dead'),
-               count(*) FILTER (WHERE u.k = 'dead_held')
+               count(*) FILTER (WHERE u.k = 'dead_held'),
+               CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN v_lock_until END,
+               CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN v_lock_id END
         FROM unnest(e_q, e_c, e_k) AS u(q, c, k)
         GROUP BY u.q, u.c;
     END IF;
@@ -1856,10 +1923,18 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.message_heartbeat_v1(p_ids bigint[], p_lock_tokens uuid[], p_lock_ms bigint)
 RETURNS TABLE (message_id bigint, locked_until timestamptz)
 LANGUAGE sql AS $$
-    UPDATE {schema}.message m SET locked_until = clock_timestamp() + p_lock_ms * interval '1 millisecond'
-    FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
-    WHERE m.id = h.id AND m.lock_token = h.lock_token AND m.locked_until IS NOT NULL
-    RETURNING m.id, m.locked_until;
+    WITH extended AS (
+        UPDATE {schema}.message m SET locked_until = clock_timestamp() + p_lock_ms * interval '1 millisecond'
+        FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
+        WHERE m.id = h.id AND m.lock_token = h.lock_token AND m.locked_until IS NOT NULL
+        RETURNING m.id, m.queue, m.channel, m.locked_until
+    ), tallied AS (
+        -- (a lock extended for less than it had: the ingest's hint of the next expiry)
+        INSERT INTO {schema}.tally (queue, channel, lock_until, lock_id)
+        SELECT DISTINCT ON (e.queue, e.channel) e.queue, e.channel, e.locked_until, e.id
+        FROM extended e ORDER BY e.queue, e.channel, e.locked_until
+    )
+    SELECT e.id, e.locked_until FROM extended e;
 $$;
 
 -- Move messages (in any state) to the dead letters of their queue, or delete them where the
@@ -2503,10 +2578,10 @@ BEGIN
             ORDER BY x.expires_at LIMIT 1), v_now);
         IF v_from > v_d.expire_from THEN
             INSERT INTO {schema}.discovery
-                (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next,
+                (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, lock_id,
                  expire_from, pend_queue, pend_channel, pend_prio, pend_at, pend_id)
             VALUES (v_d.snap, v_d.folded, v_d.taken_at, v_d.folded_at, v_d.queues,
-                    v_d.turn_from, v_d.lock_from, v_d.lock_next, v_from, v_d.pend_queue,
+                    v_d.turn_from, v_d.lock_from, v_d.lock_next, v_d.lock_id, v_from, v_d.pend_queue,
                     v_d.pend_channel, v_d.pend_prio, v_d.pend_at, v_d.pend_id);
             DELETE FROM {schema}.discovery d WHERE d.id = v_d.id;
         END IF;
