@@ -466,7 +466,7 @@ def churn_sampler(
         now = time.perf_counter()
         if next_vacuum is not None and now >= next_vacuum:
             with pg_conn() as pg:
-                for table in ("message", "channel", "counter"):
+                for table in lonnymq_table_stats(schema):
                     pg.execute(sql.SQL("VACUUM {}").format(sql.Identifier(schema, table)))
             next_vacuum = now + (vacuum_every or 0)
         if now >= next_sample:
@@ -479,6 +479,32 @@ def churn_sampler(
             )
             next_sample += 60.0
         stop.wait(1.0)
+
+
+def snapshot_holder(
+    schema: str, hold_from: float, hold_until: float, stop: threading.Event, info: dict[str, Any]
+) -> None:
+    """From ``hold_from`` to ``hold_until`` (perf_counter times), a session idle in a
+    REPEATABLE READ transaction that has read the queue's tables: the xmin horizon stays where
+    it was, so no row deleted meanwhile can be pruned or vacuumed (what an idle transaction,
+    a long report or ``pg_dump`` does)."""
+    if stop.wait(max(0.0, hold_from - time.perf_counter())):
+        return
+    with psycopg.connect(PG_DSN, application_name="bench_churn_holder") as pg:
+        pg.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        pg.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "message")))
+        row = pg.execute("SELECT pg_snapshot_xmin(pg_current_snapshot())::text").fetchone()
+        info["held_xmin"] = row[0] if row else None
+        info["held_from_s"] = round(time.perf_counter() - hold_from, 3)
+        stop.wait(max(0.0, hold_until - time.perf_counter()))
+        pg.rollback()
+        info["released_after_s"] = round(time.perf_counter() - hold_from, 3)
+
+
+def autovacuum_setting() -> str:
+    with pg_conn() as pg:
+        row = pg.execute("SHOW autovacuum").fetchone()
+    return str(row[0]) if row else "unknown"
 
 
 def lonnymq_table_stats(schema: str) -> dict[str, dict[str, int]]:
@@ -1079,6 +1105,17 @@ class Bench:
                 daemon=True,
             )
             sampler.start()
+            hold: dict[str, Any] = {}
+            hold_window = None
+            if self.args.churn_hold:
+                # the middle half of the run (10 of 20 minutes by default)
+                hold_window = (t_start + minutes * 15, t_start + minutes * 45)
+                holder = threading.Thread(
+                    target=snapshot_holder,
+                    args=(schema, *hold_window, sampling, hold),
+                    daemon=True,
+                )
+                holder.start()
             with spec.connection() as conn:
                 ch = conn.channel()
                 kombu_queue(qname)(ch).declare()
@@ -1109,6 +1146,17 @@ class Bench:
                 "p50_ms_start": percentile(first, 0.5),
                 "p50_ms_end": percentile(last, 0.5),
             }
+            if hold_window is not None:
+                # the last minute of the hold: where a dequeue walking dead rows is slowest
+                held_last = [
+                    lat * 1000
+                    for t, lat in res.latencies
+                    if hold_window[1] - window < t <= hold_window[1]
+                ]
+                figures["p50_ms_end_of_hold"] = percentile(held_last, 0.5)
+                figures["p99_ms_end_of_hold"] = percentile(held_last, 0.99)
+                hold["from_minute"] = minutes / 4
+                hold["until_minute"] = minutes * 3 / 4
             self.results.notes["churn"] = {
                 "minutes": minutes,
                 "rate_per_s": rate,
@@ -1121,6 +1169,8 @@ class Bench:
                 "tables_start": start_stats,
                 "tables_end": end_stats,
                 "vacuum_every_s": self.args.churn_vacuum,
+                "snapshot_held": hold or None,
+                "autovacuum": autovacuum_setting(),
                 "table_bytes_per_minute": samples,
                 **figures,
             }
@@ -1128,8 +1178,14 @@ class Bench:
                 self.results.get(
                     "churn", f"{rate:.0f} msg/s, {minutes:g} min", "lonnymq", metric
                 ).values.append(value)
+            held_txt = (
+                f", {figures['p50_ms_end_of_hold']:.1f} ms in the last minute of the held "
+                f"snapshot (p99 {figures['p99_ms_end_of_hold']:.1f} ms)"
+                if hold_window is not None
+                else ""
+            )
             print(
-                f"  churn: p50 {figures['p50_ms_start']:.1f} ms at start, "
+                f"  churn: p50 {figures['p50_ms_start']:.1f} ms at start{held_txt}, "
                 f"{figures['p50_ms_end']:.1f} ms at end; sent {sent}, received "
                 f"{len(res.latencies)}"
             )
@@ -1419,6 +1475,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="SECONDS",
         help="during the churn, VACUUM lonnymq's tables this often (as autovacuum would; "
         "off on the dev server); table sizes are sampled every minute either way",
+    )
+    p.add_argument(
+        "--churn-hold",
+        action="store_true",
+        help="during the churn, hold a snapshot (a session idle in a REPEATABLE READ "
+        "transaction) for the middle half of the run",
     )
     p.add_argument("--output", type=Path, default=RESULTS_DIR / "brokers.json")
     p.add_argument("--chart", type=Path, default=RESULTS_DIR / "brokers.png")

@@ -3,6 +3,7 @@ one fresh schema per test, dropped afterwards."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,6 +22,37 @@ Conn = psycopg.Connection[Any]
 def pg_dsn() -> Iterator[str]:
     with database("LONNYMQ_TEST_DSN") as dsn:
         yield dsn
+
+
+@pytest.fixture(scope="session")
+def _observer(pg_dsn: str) -> Iterator[Conn]:
+    with psycopg.connect(pg_dsn, autocommit=True, application_name="lonnymq-test-observer") as c:
+        yield c
+
+
+def _sessions(observer: Conn) -> dict[int, tuple[Any, ...]]:
+    """The client sessions of the test database but the observer's: pid -> what they are."""
+    rows = observer.execute(
+        "SELECT pid, application_name, state, left(query, 200) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND backend_type = 'client backend' "
+        "AND pid <> pg_backend_pid()"
+    ).fetchall()
+    return {int(r[0]): tuple(r[1:]) for r in rows}
+
+
+@pytest.fixture(autouse=True)
+def _no_connection_left_behind(_observer: Conn) -> Iterator[None]:
+    """Every test closes the connections it opened (its own, and its processes' and threads'):
+    a session that appeared during the test and is still there 10 s after it is a leak."""
+    before = set(_sessions(_observer))
+    yield
+    deadline = time.monotonic() + 10.0
+    while True:
+        left = {pid: s for pid, s in _sessions(_observer).items() if pid not in before}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left, f"connections left behind: {left}"
 
 
 @pytest.fixture

@@ -37,6 +37,7 @@ from lonnymq import (
     SchemaNotInstalled,
     SchemaTooNew,
 )
+from tests.apps import close_app
 
 Conn = psycopg.Connection[Any]
 MB = 1024 * 1024
@@ -158,7 +159,7 @@ def ctx(pg_dsn: str, schema: str, conn: Conn) -> Iterator[Ctx]:
     for connection in c.opened:
         connection.release()
     for app in c.apps:
-        app.close()
+        close_app(app)
 
 
 def assert_kept(c: Ctx) -> None:

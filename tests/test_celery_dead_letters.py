@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import lonnymq
 from lonnymq.queue import MessageInfo, QueueStatus
 from tests import test_celery_worker as tcw
+from tests.apps import close_app
 from tests.test_celery_monitoring import free_port
 from tests.test_celery_worker import Env, Worker, make_env, stats, wait_for
 
@@ -83,7 +84,7 @@ def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
     try:
         yield environment
     finally:
-        environment.app.close()
+        close_app(environment.app)
 
 
 def dead_letters(broker: lonnymq.Broker, conn: Conn) -> list[MessageInfo]:

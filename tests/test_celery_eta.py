@@ -22,6 +22,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from tests import test_celery_worker as tcw
+from tests.apps import close_app
 from tests.test_celery_worker import Conn, Env, Worker, make_env, stats, wait_for
 
 workers = tcw.workers
@@ -46,7 +47,7 @@ def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
     try:
         yield environment
     finally:
-        environment.app.close()
+        close_app(environment.app)
 
 
 def ran_at(env: Env) -> dict[str, float]:

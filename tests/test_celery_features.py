@@ -30,6 +30,7 @@ from celery import chain, chord, group
 from psycopg import sql
 
 import lonnymq
+from tests.apps import close_app
 from tests.test_celery_worker import Env, Worker, _stop, launch, wait_for, worker_args
 
 Conn = psycopg.Connection[Any]
@@ -163,7 +164,7 @@ def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
     try:
         yield environment
     finally:
-        environment.app.close()
+        close_app(environment.app)
         with contextlib.suppress(Exception):
             environment.app.backend.ResultSession().get_bind().dispose()
         _result_schema(pg_dsn, result_schema, create=False)

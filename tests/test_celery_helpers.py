@@ -11,6 +11,7 @@ from celery import Celery
 
 import lonnymq
 import lonnymq.celery
+from tests.apps import close_app
 
 Conn = psycopg.Connection[Any]
 
@@ -21,7 +22,7 @@ def app(pg_dsn: str, schema: str) -> Iterator[Celery]:
     app.conf.broker_transport_options = {"schema": schema}
     lonnymq.celery.setup(app)
     yield app
-    app.close()
+    close_app(app)
 
 
 def channels(conn: Conn, schema: str) -> list[str]:

@@ -34,6 +34,7 @@ import pytest
 from celery import Celery
 
 import lonnymq
+from tests.apps import close_app
 
 Conn = psycopg.Connection[Any]
 
@@ -220,7 +221,7 @@ def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
     try:
         yield environment
     finally:
-        environment.app.close()
+        close_app(environment.app)
 
 
 def _stop(worker: Worker, sig: int = signal.SIGTERM) -> None:

@@ -11,6 +11,7 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 
 import lonnymq
+from tests.apps import close_app
 
 Conn = psycopg.Connection[Any]
 
@@ -101,7 +102,7 @@ def test_celery_task_in_caller_transaction(
     tx.commit()
     stats = lonnymq.Broker(schema).queue("celery").stats(conn)
     assert (stats.total, stats.delayed) == (2, 1)
-    app.close()
+    close_app(app)
 
 
 def test_bad_connections(pg_dsn: str) -> None:
@@ -163,4 +164,4 @@ def test_async_publish_of_a_celery_task(
     assert (args, kwargs) == ([6, 7], {})
     message.ack()
     simple.close()
-    app.close()
+    close_app(app)

@@ -16,6 +16,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 import lonnymq
+from tests.apps import close_app
 
 Conn = psycopg.Connection[Any]
 Task = Any  # a Celery task (celery is untyped)
@@ -50,7 +51,7 @@ def task(pg_dsn: str, schema: str, conn: Conn) -> Iterator[Task]:
     send_invoice.delay(0)  # warm-up: declares the queue and its binding
     assert total(conn, schema) == 1
     yield send_invoice
-    app.close()
+    close_app(app)
 
 
 @pytest.fixture

@@ -56,6 +56,7 @@ import lonnymq
 from lonnymq.testing import TempPostgres
 from tests import _fault_procs
 from tests import test_celery_worker as tcw
+from tests.apps import close_app
 from tests.test_concurrency import Sampler, counter_mismatches, ident, message_ids
 from tests.test_transport_processes import (
     WORKER,
@@ -344,7 +345,7 @@ def test_celery_worker_sigkilled_repeatedly_loses_no_task(
     finally:
         for w in started:
             tcw._stop(w)
-        env.app.close()
+        close_app(env.app)
 
     missing = set(range(total)) - set(counts)
     twice = {i: n for i, n in counts.items() if n > 1}
@@ -735,7 +736,7 @@ def test_celery_task_running_3x_visibility_timeout_runs_once(
     finally:
         for w in started:
             tcw._stop(w)
-        env.app.close()
+        close_app(env.app)
     assert len(starts) == 1, starts
     assert len(done) == 1, done
     assert done[0][1] - starts[0][1] >= 3 * vt
@@ -822,7 +823,7 @@ def test_celery_event_loop_recovers_from_cut_connections(
             publisher.join(timeout=30)
         for w in started:
             tcw._stop(w)
-        env.app.close()
+        close_app(env.app)
     counts = runs(env)
     assert set(counts) == set(range(total))
     print(

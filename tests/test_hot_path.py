@@ -36,6 +36,7 @@ import lonnymq
 from lonnymq import ChannelBusy, Created, Outcome
 from lonnymq.metrics import DatabaseCollector
 from tests import invariants
+from tests.apps import close_app
 from tests.test_cli import cli
 from tests.test_plans import Recorder
 
@@ -229,7 +230,7 @@ def test_open_kombu_and_celery_transactions_block_no_one(
             delivered = traffic.delivered + traffic.drain(connect())
             assert [i for i, k in Counter(delivered).items() if k > 1] == []
             assert len(delivered) == len(traffic.created) + 1 + before
-    app.close()
+    close_app(app)
 
 
 def test_limited_channel_producers_take_turns_and_fail_fast(
@@ -473,6 +474,31 @@ def test_priorities_delays_requeues_and_expired_locks_keep_their_places(
         expected = {f"m{i:02d}".encode() for i in range(40)} - {m.content for m in first[1:]}
         assert set(got) - {b"urgent"} == expected
         invariants.assert_consistent(conn, broker.schema)
+
+
+def test_a_dequeue_never_returns_more_than_its_limit(broker: lonnymq.Broker, conn: Conn) -> None:
+    """Lanes share what a call has left in rounded-up quotas: with channels of uneven
+    lengths and limits that do not divide evenly, a dequeue still returns at most ``limit``
+    messages, and every message exactly once."""
+    queue = broker.queue("default")
+    lengths = [1, 4, 2, 3, 1, 1, 5, 2, 1, 3, 1, 2, 4]
+    expected = []
+    for c, n in enumerate(lengths):
+        for i in range(n):
+            queue.channel(f"c{c:02d}").message.create(conn, f"c{c:02d}-{i}")
+            expected.append(f"c{c:02d}-{i}".encode())
+    got: list[bytes] = []
+    limits = [7, 3, 10, 4, 6, 8, 5]
+    for step in range(40):
+        limit = limits[step % len(limits)]
+        messages = queue.dequeue(conn, limit=limit, lock_ms=60_000).messages
+        assert len(messages) <= limit, (limit, [m.content for m in messages])
+        if not messages:
+            break
+        got.extend(m.content for m in messages)
+        assert set(broker.delete_many(conn, messages).values()) == {Outcome.OK}
+    assert sorted(got) == sorted(expected)
+    invariants.assert_consistent(conn, broker.schema)
 
 
 def _cycle_buffers(queue: lonnymq.Queue, conn: Conn, recorder: Recorder) -> int:

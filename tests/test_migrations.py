@@ -783,12 +783,12 @@ def test_upgrade_from_version_4_keeps_every_message_and_the_running_workers(
         "FROM {s}.message_dequeue_v2('{{jobs}}', 2, 600000)"
     )
     assert sorted(bytes(r[3]) for r in held) == [b"a1", b"l1"]
-    before = {(r[0], r[2]) for r in call("SELECT id, lock_token FROM {s}.message")}
+    before = {(r[0], r[1]) for r in call("SELECT id, lock_token FROM {s}.message")}
 
     with conn.transaction():
         conn.execute(steps[4][1].encode())
     assert lonnymq.Broker(schema).check(conn) == CURRENT_VERSION
-    assert {(r[0], r[2]) for r in call("SELECT id, lock_token FROM {s}.message")} == before
+    assert {(r[0], r[1]) for r in call("SELECT id, lock_token FROM {s}.message")} == before
     invariants.assert_consistent(conn, schema)
     broker = lonnymq.Broker(schema)
     [status] = broker.status(conn)

@@ -21,6 +21,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 import lonnymq
 from lonnymq import PermissionDenied
+from tests.apps import close_app
 
 Conn = psycopg.Connection[Any]
 
@@ -256,5 +257,5 @@ def test_celery_worker_runs_as_the_worker_role(
 
         for w in started:
             _stop(w)
-        worker_env.app.close()
-        producer_env.app.close()
+        close_app(worker_env.app)
+        close_app(producer_env.app)

@@ -1509,10 +1509,12 @@ BEGIN
                         v_done[v_k] := true;
                     END IF;
                 END LOOP;
+                -- (the quotas are rounded up: never more than the call has left, in rank order)
                 v_take := ARRAY(
                     SELECT t.id FROM unnest(h_id, h_lane, h_rn) AS t(id, l, rn)
                     JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
-                    WHERE t.rn <= u.quota);
+                    WHERE t.rn <= u.quota
+                    ORDER BY t.rn, t.l LIMIT v_left);
                 EXIT WHEN coalesce(cardinality(v_take), 0) = 0;
                 v_slotted := ARRAY(
                     SELECT t.id FROM unnest(h_id, h_lane) AS t(id, l)
