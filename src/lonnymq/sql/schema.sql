@@ -1204,6 +1204,8 @@ DECLARE
     v_d {schema}.discovery;
     v_ingested boolean := false;
     v_slept boolean := false;
+    v_waited boolean := false;
+    v_timeout text;
     v_busy boolean := false;
     v_got integer := 0;
     v_left integer;
@@ -1663,8 +1665,19 @@ BEGIN
             v_now := clock_timestamp();
             CONTINUE;
         END IF;
-        EXIT WHEN v_ingested;
-        v_d := {schema}.ingest_v1(p_queues, false, false);
+        -- (then ingest, waiting a little for an ingest another consumer is running: what it
+        -- brings in is not deliverable before it commits, and answering "nothing" meanwhile
+        -- would send this caller to sleep while messages wait)
+        EXIT WHEN v_waited;
+        v_waited := true;
+        v_timeout := current_setting('lock_timeout');
+        BEGIN
+            PERFORM set_config('lock_timeout', '50ms', true);
+            v_d := {schema}.ingest_v1(p_queues, true, false);
+        EXCEPTION WHEN lock_not_available THEN
+            SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        END;
+        PERFORM set_config('lock_timeout', v_timeout, true);
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
