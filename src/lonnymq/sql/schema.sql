@@ -347,19 +347,27 @@ $$;
 CREATE FUNCTION {schema}.channel_limits_v1(
     p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer
 )
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
     SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
            CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END
+    INTO max_concurrency, max_size
     FROM (SELECT) AS one
     LEFT JOIN {schema}.queue q ON q.name = p_queue
-    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
+END;
 $$;
 
 -- A lane's live version (NULL when the channel has none).
 CREATE FUNCTION {schema}.lane_get_v1(p_queue text, p_channel text) RETURNS {schema}.lane
-LANGUAGE sql STABLE AS $$
-    SELECT l FROM {schema}.lane l WHERE l.queue = p_queue AND l.channel = p_channel
-    ORDER BY l.id DESC LIMIT 1
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_lane {schema}.lane;
+BEGIN
+    SELECT * INTO v_lane FROM {schema}.lane l WHERE l.queue = p_queue AND l.channel = p_channel
+    ORDER BY l.id DESC LIMIT 1;
+    RETURN v_lane;
+END;
 $$;
 
 -- Replace a lane's version by a new one: the old row is deleted, the new one inserted (so a
@@ -384,11 +392,13 @@ CREATE FUNCTION {schema}.lane_next_v1(
     p_lane {schema}.lane, p_snap pg_snapshot, OUT next_at timestamptz, OUT prios smallint[],
     OUT pos_at timestamptz[], OUT pos_id bigint[]
 )
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan AS $$
+BEGIN
     SELECT min(n.dequeue_at),
            coalesce(array_agg(p.prio ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}'),
            coalesce(array_agg(n.dequeue_at ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}'),
            coalesce(array_agg(n.id ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}')
+    INTO next_at, prios, pos_at, pos_id
     FROM unnest(p_lane.prios, p_lane.pos_at, p_lane.pos_id) AS p(prio, at, pid)
     LEFT JOIN LATERAL (
         SELECT m.dequeue_at, m.id FROM {schema}.message m
@@ -397,7 +407,8 @@ LANGUAGE sql STABLE AS $$
           AND pg_visible_in_snapshot(m.txid, p_snap)
         ORDER BY m.priority DESC, m.dequeue_at, m.id
         LIMIT 1
-    ) AS n ON true
+    ) AS n ON true;
+END;
 $$;
 
 -- ---------------------------------------------------------------------------------------------
@@ -711,9 +722,11 @@ CREATE FUNCTION {schema}.positions_merge_v1(
     p_lane {schema}.lane, p_prios smallint[], p_at timestamptz[], p_id bigint[],
     OUT prios smallint[], OUT pos_at timestamptz[], OUT pos_id bigint[]
 )
-LANGUAGE sql IMMUTABLE AS $$
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
     SELECT array_agg(x.prio ORDER BY x.prio DESC), array_agg(x.at ORDER BY x.prio DESC),
            array_agg(x.pid ORDER BY x.prio DESC)
+    INTO prios, pos_at, pos_id
     FROM (
         SELECT DISTINCT ON (u.prio) u.prio, u.at, u.pid
         FROM (
@@ -722,7 +735,8 @@ LANGUAGE sql IMMUTABLE AS $$
             SELECT * FROM unnest(p_prios, p_at, p_id) AS n(prio, at, pid)
         ) AS u
         ORDER BY u.prio, u.at, u.pid
-    ) AS x
+    ) AS x;
+END;
 $$;
 
 -- Ingest what became ready in transactions that committed since the last snapshot (new
@@ -1836,8 +1850,11 @@ $$;
 -- Delete (acknowledge) a held message. result_code: 'ok', 'state_invalid' (the message is
 -- held under another lock token, or not held) or 'not_found'.
 CREATE FUNCTION {schema}.message_delete_v1(p_id bigint, p_lock_token uuid, OUT result_code text)
-LANGUAGE sql AS $$
-    SELECT d.result_code FROM {schema}.message_delete_many_v1(ARRAY[p_id], ARRAY[p_lock_token]) AS d;
+LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT d.result_code INTO result_code
+    FROM {schema}.message_delete_many_v1(ARRAY[p_id], ARRAY[p_lock_token]) AS d;
+END;
 $$;
 
 -- Defer a held message: unlock it, due again after p_delay_ms (NULL: in its old place, as
