@@ -513,7 +513,7 @@ API_FUNCTIONS = {
     "message_create_v1",
     "message_create_many_v1",
     "ingest_v1",
-    "ingest_due_v1",
+    "ingest_wait_v1",
     "snapshot_v1",
     "fold_v1",
     "channel_headroom_v1",

@@ -264,7 +264,6 @@ EXPECTED_STATEMENTS = {
     "lane_put_v1": "(queue, channel, turn_at, served_at, limited, prios, pos_at, pos_id)",
     "channel_headroom_v1": "WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE SKIP LOCKED",
     "queue_ensure_v1": "WHERE q.name = p_queue",
-    "ingest_due_v1": "ORDER BY m.txid LIMIT 1",
     "queue_retry_ms_v1": "l.turn_at >= coalesce(p_d.turn_from",
     "message_create_v1 (insert)": "(queue, channel, priority, txid, dequeue_at, expires_at,",
     "message_create_v1 (de-duplication)": "m.name = p_name AND m.attempts = 0",

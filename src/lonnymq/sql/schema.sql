@@ -311,6 +311,9 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_key bigint := {schema}.queue_key_v1('sleep', p_queue);
 BEGIN
+    -- (this session's next dequeue ingests first, waiting for a running ingest: so that a
+    -- session that requeues or creates and then dequeues sees what it did, in its place)
+    PERFORM set_config('lonnymq.fresh', 'on', false);
     -- (a session's own sleep lock does not stop its own try: that session is told by the
     -- setting it keeps of its sleep keys)
     IF pg_try_advisory_lock(v_key) THEN
@@ -347,7 +350,7 @@ $$;
 CREATE FUNCTION {schema}.channel_limits_v1(
     p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer
 )
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
 BEGIN
     SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
            CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END
@@ -360,7 +363,7 @@ $$;
 
 -- A lane's live version (NULL when the channel has none).
 CREATE FUNCTION {schema}.lane_get_v1(p_queue text, p_channel text) RETURNS {schema}.lane
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
 DECLARE
     v_lane {schema}.lane;
 BEGIN
@@ -373,7 +376,7 @@ $$;
 -- Replace a lane's version by a new one: the old row is deleted, the new one inserted (so a
 -- read of the latest version never walks superseded ones). The caller holds the lane's key.
 CREATE FUNCTION {schema}.lane_put_v1(p_old_id bigint, p_new {schema}.lane) RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 BEGIN
     IF p_old_id IS NOT NULL THEN
         DELETE FROM {schema}.lane WHERE id = p_old_id;
@@ -392,7 +395,7 @@ CREATE FUNCTION {schema}.lane_next_v1(
     p_lane {schema}.lane, p_snap pg_snapshot, OUT next_at timestamptz, OUT prios smallint[],
     OUT pos_at timestamptz[], OUT pos_id bigint[]
 )
-LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 BEGIN
     SELECT min(n.dequeue_at),
            coalesce(array_agg(p.prio ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}'),
@@ -423,7 +426,7 @@ $$;
 CREATE FUNCTION {schema}.channel_give_back_v1(
     p_queue text, p_channel text, p_sized integer, p_slotted integer
 ) RETURNS void
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     v_row {schema}.channel;
     v_max integer;
@@ -467,7 +470,7 @@ CREATE FUNCTION {schema}.message_create_sized_v1(
     p_queue text, p_channel text, p_name text, p_content bytea, p_priority integer,
     p_delay_ms bigint, p_ttl_ms bigint, OUT result_code text, OUT message_id bigint
 )
-LANGUAGE plpgsql SET lock_timeout = '5s' AS $$
+LANGUAGE plpgsql SET lock_timeout = '5s' SET enable_seqscan = off AS $$
 DECLARE
     v_row {schema}.channel;
     v_max integer;
@@ -541,7 +544,7 @@ CREATE FUNCTION {schema}.message_create_v1(
     OUT result_code text,
     OUT message_id bigint
 )
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_max_size integer;
     v_at timestamptz;
@@ -592,7 +595,7 @@ CREATE FUNCTION {schema}.message_create_many_v1(
     p_priorities integer[], p_delays bigint[], p_ttls bigint[]
 )
 RETURNS TABLE (ord integer, result_code text, message_id bigint)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_queue text;
     v_sized integer[];
@@ -748,7 +751,7 @@ $$;
 -- only what is ingested.
 CREATE FUNCTION {schema}.ingest_v1(p_queues text[], p_wait boolean, p_fold boolean)
 RETURNS {schema}.discovery
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_old {schema}.discovery;
     v_new {schema}.discovery;
@@ -989,13 +992,32 @@ BEGIN
 END;
 $$;
 
+-- Ingest, waiting (at most 50 ms) for an ingest another consumer is running: what it brings
+-- in is not deliverable before it commits. Past the 50 ms, the latest state as it is.
+CREATE FUNCTION {schema}.ingest_wait_v1(p_queues text[]) RETURNS {schema}.discovery
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_d {schema}.discovery;
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    BEGIN
+        PERFORM set_config('lock_timeout', '50ms', true);
+        v_d := {schema}.ingest_v1(p_queues, true, false);
+    EXCEPTION WHEN lock_not_available THEN
+        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    END;
+    PERFORM set_config('lock_timeout', v_timeout, true);
+    RETURN v_d;
+END;
+$$;
+
 -- Fold the tallies of the transactions visible in p_snap and not in p_from (with p_q/p_c/p_n
 -- enqueued counts of the caller) into channel_count; a channel left empty, without a policy
 -- and without a turn, moves its counts to queue_count and loses its lane. Run by the ingest.
 CREATE FUNCTION {schema}.fold_v1(
     p_from pg_snapshot, p_snap pg_snapshot, p_q text[], p_c text[], p_n integer[]
 ) RETURNS void
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_xip xid8[];
     r record;
@@ -1089,7 +1111,7 @@ $$;
 -- when missing). NULL when another transaction holds the row (a producer of a limited channel
 -- or an ack): the lane waits for a later dequeue rather than this one waiting for it.
 CREATE FUNCTION {schema}.channel_headroom_v1(p_queue text, p_channel text, OUT headroom integer, OUT max_concurrency integer)
-LANGUAGE plpgsql SET lock_timeout = '10ms' AS $$
+LANGUAGE plpgsql SET lock_timeout = '10ms' SET enable_seqscan = off AS $$
 DECLARE
     v_current integer;
 BEGIN
@@ -1121,7 +1143,7 @@ $$;
 
 -- Producers of a queue whose transactions are still open (they hold its 'produce' key)?
 CREATE FUNCTION {schema}.queue_idle_v1(p_queue text) RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     v_key bigint := {schema}.queue_key_v1('produce', p_queue);
 BEGIN
@@ -1137,7 +1159,7 @@ $$;
 -- delayed message falling due) or a lock expiring (from the ingest's hint). NULL when nothing
 -- is pending.
 CREATE FUNCTION {schema}.queue_retry_ms_v1(p_queues text[], p_d {schema}.discovery) RETURNS bigint
-LANGUAGE plpgsql STABLE AS $$
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_next timestamptz;
@@ -1154,22 +1176,6 @@ BEGIN
         RETURN NULL;
     END IF;
     RETURN GREATEST(0, ceil(extract(epoch FROM v_next - v_now) * 1000))::bigint;
-END;
-$$;
-
--- Is there anything for the ingest since p_snap: a message made ready in a transaction not
--- visible in it (read from the start of that range of the txid index, which holds only
--- messages not ingested yet), one of its running transactions that has committed since, or
--- a channel that got a slot back?
-CREATE FUNCTION {schema}.ingest_due_v1(p_snap pg_snapshot) RETURNS boolean
-LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan AS $$
-BEGIN
-    RETURN EXISTS (SELECT 1 FROM pg_snapshot_xip(p_snap) AS x
-                   WHERE pg_visible_in_snapshot(x, pg_current_snapshot()))
-        OR (SELECT m.txid FROM {schema}.message m
-            WHERE m.txid >= pg_snapshot_xmax(p_snap) AND m.locked_until IS NULL
-            ORDER BY m.txid LIMIT 1) IS NOT NULL
-        OR EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.freed);
 END;
 $$;
 
@@ -1209,7 +1215,7 @@ RETURNS TABLE (
     retry_ms bigint,
     event text
 )
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_lock interval := p_lock_ms * interval '1 millisecond';
@@ -1219,7 +1225,8 @@ DECLARE
     v_ingested boolean := false;
     v_slept boolean := false;
     v_waited boolean := false;
-    v_timeout text;
+    v_qi integer;
+    v_rows integer;
     v_busy boolean := false;
     v_got integer := 0;
     v_left integer;
@@ -1330,41 +1337,66 @@ BEGIN
 
     SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
     LOOP
-        -- 2. ingest what committed since the snapshot: at most every millisecond while this
-        --    call finds enough, else now; and every 10 ms at least, which moves the points
-        --    from which lanes are read past the versions consumers superseded meanwhile
-        --    (dead rows that a snapshot held elsewhere keeps from being vacuumed)
-        IF NOT v_ingested
-           AND (v_got < p_limit OR v_d.taken_at < v_now - interval '1 millisecond')
+        -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
+        --    points from which lanes are read past the versions consumers superseded
+        --    meanwhile: dead rows that a snapshot held elsewhere keeps from being vacuumed),
+        --    and below when this call finds nothing in what is ingested. Not at every call:
+        --    an ingest costs several times a delivery, and with messages waiting a consumer
+        --    has no need of the newest ones.
+        IF NOT v_ingested AND current_setting('lonnymq.fresh', true) = 'on' THEN
+            PERFORM set_config('lonnymq.fresh', '', false);
+            v_d := {schema}.ingest_wait_v1(p_queues);
+            v_ingested := true;
+            v_now := clock_timestamp();
+        ELSIF NOT v_ingested
            AND (v_d.taken_at < v_now - interval '10 milliseconds'
                 OR v_d.folded_at < v_now - interval '1 second'
                 OR NOT (p_queues <@ v_d.queues)
-                OR cardinality(v_d.pend_queue) > 0
-                OR {schema}.ingest_due_v1(v_d.snap)) THEN
+                -- (heads an ingest could not write, their lane being served: soon, not at
+                -- once, or a busy lane would have every call ingest)
+                OR (cardinality(v_d.pend_queue) > 0
+                    AND v_d.taken_at < v_now - interval '5 milliseconds')) THEN
             v_d := {schema}.ingest_v1(p_queues, false, false);
             v_ingested := true;
             v_now := clock_timestamp();
         END IF;
 
         -- the queues, their settings and positions; is there a lock past its expiry?
-        SELECT array_agg(q.name ORDER BY q.name),
-               array_agg(coalesce(q.max_attempts, 2147483647) ORDER BY q.name),
-               array_agg(coalesce(v_d.turn_from[array_position(v_d.queues, q.name)],
-                                  '-infinity') ORDER BY q.name),
-               array_agg(coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
-                                  '-infinity') ORDER BY q.name),
-               coalesce(bool_or(x.found), false)
-        INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
-        FROM {schema}.queue q
-        LEFT JOIN LATERAL (
-            SELECT true AS found FROM {schema}.message e
-            WHERE e.queue = q.name
-              AND e.locked_until >= coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
-                                             '-infinity')
-              AND e.locked_until <= v_now
-            ORDER BY e.locked_until LIMIT 1
-        ) AS x ON true
-        WHERE q.name = ANY (p_queues);
+        -- (Every statement's plan is set up again in each transaction, aggregates and sorts
+        -- most of all: the usual cases, one queue and one lane, take statements without.)
+        IF cardinality(p_queues) = 1 THEN
+            v_qi := array_position(v_d.queues, p_queues[1]);
+            SELECT ARRAY[q.name::text], ARRAY[coalesce(q.max_attempts, 2147483647)],
+                   ARRAY[coalesce(v_d.turn_from[v_qi], '-infinity')],
+                   ARRAY[coalesce(v_d.lock_from[v_qi], '-infinity')],
+                   EXISTS (
+                       SELECT 1 FROM {schema}.message e
+                       WHERE e.queue = q.name
+                         AND e.locked_until >= coalesce(v_d.lock_from[v_qi], '-infinity')
+                         AND e.locked_until <= v_now
+                       ORDER BY e.locked_until LIMIT 1)
+            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+            FROM {schema}.queue q WHERE q.name = p_queues[1];
+        ELSE
+            SELECT array_agg(q.name ORDER BY q.name),
+                   array_agg(coalesce(q.max_attempts, 2147483647) ORDER BY q.name),
+                   array_agg(coalesce(v_d.turn_from[array_position(v_d.queues, q.name)],
+                                      '-infinity') ORDER BY q.name),
+                   array_agg(coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                      '-infinity') ORDER BY q.name),
+                   coalesce(bool_or(x.found), false)
+            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+            FROM {schema}.queue q
+            LEFT JOIN LATERAL (
+                SELECT true AS found FROM {schema}.message e
+                WHERE e.queue = q.name
+                  AND e.locked_until >= coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                                 '-infinity')
+                  AND e.locked_until <= v_now
+                ORDER BY e.locked_until LIMIT 1
+            ) AS x ON true
+            WHERE q.name = ANY (p_queues);
+        END IF;
         v_left := p_limit - v_got;
 
         -- 3. messages whose lock expired: they still count against their channel's
@@ -1428,17 +1460,27 @@ BEGIN
             -- (due: at most a millisecond from now, so that a lane another consumer has
             -- just moved to the back, at its clock, is due for this one too)
             v_now := clock_timestamp();
-            SELECT ARRAY(
-                SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
-                CROSS JOIN LATERAL (
+            IF cardinality(v_qn) = 1 THEN
+                SELECT ARRAY(
                     SELECT l FROM {schema}.lane l
-                    WHERE l.queue = u.q AND l.turn_at >= u.tf
+                    WHERE l.queue = v_qn[1] AND l.turn_at >= v_qtf[1]
                       AND l.turn_at <= v_now + interval '1 millisecond'
-                    ORDER BY l.turn_at, l.id LIMIT v_left + 1
-                ) AS x
-                ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
-                (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
-            INTO v_cands, v_snap;
+                    ORDER BY l.turn_at, l.id LIMIT v_left + 1),
+                    (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+                INTO v_cands, v_snap;
+            ELSE
+                SELECT ARRAY(
+                    SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
+                    CROSS JOIN LATERAL (
+                        SELECT l FROM {schema}.lane l
+                        WHERE l.queue = u.q AND l.turn_at >= u.tf
+                          AND l.turn_at <= v_now + interval '1 millisecond'
+                        ORDER BY l.turn_at, l.id LIMIT v_left + 1
+                    ) AS x
+                    ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
+                    (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+                INTO v_cands, v_snap;
+            END IF;
             v_d.snap := v_snap;
             v_n := LEAST(cardinality(v_cands), v_left);
         END IF;
@@ -1482,15 +1524,40 @@ BEGIN
             v_passes := 0;
             LOOP
                 v_passes := v_passes + 1;
-                v_lanes := ARRAY(SELECT g.i FROM generate_series(1, v_n) AS g(i)
-                                 WHERE NOT v_done[g.i] AND v_cap[g.i] > v_taken[g.i] ORDER BY g.i);
+                IF v_n = 1 THEN
+                    v_lanes := CASE WHEN NOT v_done[1] AND v_cap[1] > v_taken[1]
+                                    THEN ARRAY[1] ELSE ARRAY[]::integer[] END;
+                ELSE
+                    v_lanes := ARRAY(SELECT g.i FROM generate_series(1, v_n) AS g(i)
+                                     WHERE NOT v_done[g.i] AND v_cap[g.i] > v_taken[g.i] ORDER BY g.i);
+                END IF;
                 v_open := cardinality(v_lanes);
                 EXIT WHEN v_open = 0 OR v_left <= 0 OR v_passes > 8;
                 v_share := ceil(v_left::numeric / v_open)::integer;
-                v_quota := ARRAY(SELECT LEAST(v_share, v_cap[u.i] - v_taken[u.i])
-                                 FROM unnest(v_lanes) AS u(i));
+                IF v_open = 1 THEN
+                    v_quota := ARRAY[LEAST(v_share, v_cap[v_lanes[1]] - v_taken[v_lanes[1]])];
+                ELSE
+                    v_quota := ARRAY(SELECT LEAST(v_share, v_cap[u.i] - v_taken[u.i])
+                                     FROM unnest(v_lanes) AS u(i));
+                END IF;
                 -- each lane's head from its positions: due, ingested, not held by anyone; one
                 -- more than its quota tells whether it has more
+                IF v_open = 1 AND cardinality((v_cands[v_lanes[1]]).prios) = 1 THEN
+                    v_k := v_lanes[1];
+                    h_id := ARRAY(
+                        SELECT m.id FROM {schema}.message m
+                        WHERE m.queue = (v_cands[v_k]).queue AND m.channel = (v_cands[v_k]).channel
+                          AND m.locked_until IS NULL AND m.priority = ((v_cands[v_k]).prios)[1]
+                          AND (m.dequeue_at, m.id) >= (((v_cands[v_k]).pos_at)[1],
+                                                       ((v_cands[v_k]).pos_id)[1])
+                          AND m.dequeue_at <= v_now
+                          AND pg_visible_in_snapshot(m.txid, v_d.snap)
+                        ORDER BY m.priority DESC, m.dequeue_at, m.id
+                        LIMIT v_quota[1] + 1
+                        FOR UPDATE SKIP LOCKED);
+                    h_lane := array_fill(v_k, ARRAY[cardinality(h_id)]);
+                    h_rn := ARRAY(SELECT generate_series(1, cardinality(h_id)));
+                ELSE
                 SELECT array_agg(h.id ORDER BY h.rn, h.i), array_agg(h.i ORDER BY h.rn, h.i),
                        array_agg(h.rn ORDER BY h.rn, h.i), array_agg(h.priority ORDER BY h.rn, h.i),
                        array_agg(h.dequeue_at ORDER BY h.rn, h.i)
@@ -1518,6 +1585,7 @@ BEGIN
                         LIMIT u.quota + 1
                     ) AS z
                 ) AS h;
+                END IF;
                 FOR i IN 1 .. v_open LOOP
                     v_k := v_lanes[i];
                     v_more[v_k] := coalesce(array_length(array_positions(h_lane, v_k), 1), 0) > v_quota[i];
@@ -1526,18 +1594,63 @@ BEGIN
                     END IF;
                 END LOOP;
                 -- (the quotas are rounded up: never more than the call has left, in rank order)
-                v_take := ARRAY(
-                    SELECT t.id FROM unnest(h_id, h_lane, h_rn) AS t(id, l, rn)
-                    JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
-                    WHERE t.rn <= u.quota
-                    ORDER BY t.rn, t.l LIMIT v_left);
+                IF v_open = 1 THEN
+                    v_take := h_id[1:v_quota[1]];
+                ELSE
+                    v_take := ARRAY(
+                        SELECT t.id FROM unnest(h_id, h_lane, h_rn) AS t(id, l, rn)
+                        JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
+                        WHERE t.rn <= u.quota
+                        ORDER BY t.rn, t.l LIMIT v_left);
+                END IF;
                 EXIT WHEN coalesce(cardinality(v_take), 0) = 0;
-                v_slotted := ARRAY(
-                    SELECT t.id FROM unnest(h_id, h_lane) AS t(id, l)
-                    WHERE t.id = ANY (v_take) AND v_max[t.l] IS NOT NULL);
+                IF v_open = 1 THEN
+                    v_slotted := CASE WHEN v_max[v_lanes[1]] IS NOT NULL THEN v_take
+                                      ELSE ARRAY[]::bigint[] END;
+                ELSE
+                    v_slotted := ARRAY(
+                        SELECT t.id FROM unnest(h_id, h_lane) AS t(id, l)
+                        WHERE t.id = ANY (v_take) AND v_max[t.l] IS NOT NULL);
+                END IF;
                 -- lock them (by primary key from the array); those past their time to live or
                 -- delivered max_attempts times are left out, and handled below
                 v_locked := ARRAY[]::bigint[];
+                IF v_open = 1 THEN
+                    -- (one lane: its heads are in rank order already)
+                    RETURN QUERY
+                        WITH locked AS (
+                            UPDATE {schema}.message m SET
+                                locked_until = v_now + v_lock,
+                                lock_token = gen_random_uuid(),
+                                attempts = m.attempts + 1,
+                                slotted = m.id = ANY (v_slotted)
+                            WHERE m.id = ANY (v_take)
+                              AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                              AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                            RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                                      m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+                        )
+                        SELECT l.id, l.queue::text, l.channel::text, l.name, l.priority, l.attempts,
+                               l.lock_token, l.created_at, l.content, l.state, NULL::bigint,
+                               'delivered'::text
+                        FROM locked l ORDER BY l.priority DESC, l.dequeue_at, l.id;
+                    GET DIAGNOSTICS v_rows = ROW_COUNT;
+                    IF v_rows = cardinality(v_take) THEN
+                        v_locked := v_take;
+                    ELSIF v_rows > 0 THEN
+                        v_locked := ARRAY(SELECT m.id FROM {schema}.message m
+                                          WHERE m.id = ANY (v_take) AND m.locked_until IS NOT NULL);
+                    END IF;
+                    v_k := v_lanes[1];
+                    v_taken[v_k] := v_taken[v_k] + cardinality(v_locked);
+                    IF cardinality(v_locked) > 0 THEN
+                        e_q := e_q || array_fill((v_cands[v_k]).queue::text,
+                                                 ARRAY[cardinality(v_locked)]);
+                        e_c := e_c || array_fill((v_cands[v_k]).channel::text,
+                                                 ARRAY[cardinality(v_locked)]);
+                        e_k := e_k || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
+                    END IF;
+                ELSE
                 FOR r IN
                     WITH locked AS (
                         UPDATE {schema}.message m SET
@@ -1578,6 +1691,7 @@ BEGIN
                         e_k := e_k || 'delivered'::text;
                     END IF;
                 END LOOP;
+                END IF;
                 v_got := v_got + cardinality(v_locked);
                 v_left := p_limit - v_got;
                 IF cardinality(v_locked) > 0
@@ -1684,20 +1798,25 @@ BEGIN
         -- would send this caller to sleep while messages wait)
         EXIT WHEN v_waited;
         v_waited := true;
-        v_timeout := current_setting('lock_timeout');
-        BEGIN
-            PERFORM set_config('lock_timeout', '50ms', true);
-            v_d := {schema}.ingest_v1(p_queues, true, false);
-        EXCEPTION WHEN lock_not_available THEN
-            SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
-        END;
-        PERFORM set_config('lock_timeout', v_timeout, true);
+        v_d := {schema}.ingest_wait_v1(p_queues);
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
 
-    -- the tally of this call: one row per channel
-    IF cardinality(e_q) > 0 THEN
+    -- the tally of this call: one row per channel (one channel, the usual case, without an
+    -- aggregate)
+    IF cardinality(e_q) > 0 AND e_q <@ ARRAY[e_q[1]] AND e_c <@ ARRAY[e_c[1]] THEN
+        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                    dead_held, lock_until, lock_id)
+        VALUES (e_q[1], e_c[1], cardinality(array_positions(e_k, 'delivered')),
+                cardinality(array_positions(e_k, 'redelivered')),
+                cardinality(array_positions(e_k, 'acked')),
+                cardinality(array_positions(e_k, 'expired')),
+                cardinality(array_positions(e_k, 'dead')),
+                cardinality(array_positions(e_k, 'dead_held')),
+                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_until END,
+                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_id END);
+    ELSIF cardinality(e_q) > 0 THEN
         INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
                                     dead_held, lock_until, lock_id)
         SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
@@ -1800,7 +1919,7 @@ $$;
 -- one are written; otherwise an ack is the DELETE and one tally row per channel.
 CREATE FUNCTION {schema}.message_delete_many_v1(p_ids bigint[], p_lock_tokens uuid[])
 RETURNS TABLE (message_id bigint, result_code text)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_gone bigint[];
     v_q text[];
@@ -1864,7 +1983,7 @@ CREATE FUNCTION {schema}.message_defer_v1(
     p_id bigint, p_lock_token uuid, p_delay_ms bigint, p_set_state boolean, p_state bytea,
     OUT result_code text
 )
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     r record;
 BEGIN
@@ -1923,7 +2042,7 @@ RETURNS TABLE (
     message_id bigint, held boolean, queue_name text, channel_name text, message_name text,
     message_attempts integer, message_created_at timestamptz
 )
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     r record;
     v_q text[] := ARRAY[]::text[];
@@ -1980,7 +2099,7 @@ $$;
 CREATE FUNCTION {schema}.message_reject_v1(
     p_id bigint, p_lock_token uuid, p_reason text, OUT result_code text
 )
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     r record;
 BEGIN
@@ -2010,7 +2129,7 @@ $$;
 -- at its max_concurrency. The caller holds the ingest key. Returns whether the lane got a
 -- turn it did not have.
 CREATE FUNCTION {schema}.channel_apply_v1(p_queue text, p_channel text) RETURNS boolean
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     v_lim record;
     v_row {schema}.channel;
@@ -2474,7 +2593,7 @@ CREATE FUNCTION {schema}.message_publish_v1(
     p_ttl_ms bigint
 )
 RETURNS TABLE (queue_name text, result_code text, message_id bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     v_queue text;
     v_ttl bigint;
@@ -2508,7 +2627,7 @@ $$;
 -- x-expires, at most p_limit messages a call. Returns (messages, queues) deleted. Reads the
 -- expiry index from the position where the last sweep stopped.
 CREATE FUNCTION {schema}.expire_v1(p_limit integer, OUT messages bigint, OUT queues bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_d {schema}.discovery;
@@ -2999,7 +3118,7 @@ $$;
 -- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
 -- queue's retention (at most p_limit), and ingest and fold the counts.
 CREATE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_shortest bigint;
