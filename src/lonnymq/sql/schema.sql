@@ -801,9 +801,14 @@ BEGIN
             WHERE m.txid >= pg_snapshot_xmax(v_old.snap) AND m.txid < pg_snapshot_xmax(v_snap)
               AND m.locked_until IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
             UNION ALL
+            -- (by the txid index, one probe per transaction: another partial index of the
+            -- same predicate would be read whole, dead entries and all)
             SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
-            FROM {schema}.message m
-            WHERE m.txid = ANY (v_xip) AND m.locked_until IS NULL
+            FROM unnest(v_xip) AS x(txid)
+            CROSS JOIN LATERAL (
+                SELECT m.* FROM {schema}.message m
+                WHERE m.txid = x.txid AND m.locked_until IS NULL
+            ) AS m
             UNION ALL
             -- the heads the last ingest could not write (counted then)
             SELECT p.q, p.c, p.prio, p.at, p.id, 1::smallint
