@@ -1387,7 +1387,11 @@ def print_table(results: Results, brokers: list[str]) -> list[str]:
 
 
 def draw_chart(results: Results, brokers: list[str], path: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"no chart ({path}): matplotlib is not installed (pip install matplotlib)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
