@@ -1325,12 +1325,10 @@ DECLARE
     v_passes integer;
     v_lanes integer[];
     v_quota integer[];
-    -- a pass's heads: id, lane, rank in lane, priority, due
+    -- a pass's heads: id, lane, rank in lane
     h_id bigint[];
     h_lane integer[];
     h_rn integer[];
-    h_prio smallint[];
-    h_at timestamptz[];
     v_take bigint[];
     v_slotted bigint[];
     v_locked bigint[];
@@ -1618,9 +1616,8 @@ BEGIN
                     h_rn := ARRAY(SELECT generate_series(1, cardinality(h_id)));
                 ELSE
                 SELECT array_agg(h.id ORDER BY h.rn, h.i), array_agg(h.i ORDER BY h.rn, h.i),
-                       array_agg(h.rn ORDER BY h.rn, h.i), array_agg(h.priority ORDER BY h.rn, h.i),
-                       array_agg(h.dequeue_at ORDER BY h.rn, h.i)
-                INTO h_id, h_lane, h_rn, h_prio, h_at
+                       array_agg(h.rn ORDER BY h.rn, h.i)
+                INTO h_id, h_lane, h_rn
                 FROM unnest(v_lanes, v_quota) AS u(i, quota)
                 CROSS JOIN LATERAL (
                     SELECT u.i, z.id, z.priority, z.dequeue_at,
