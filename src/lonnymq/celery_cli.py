@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import click
 
+from . import celery_steps as _celery_steps  # noqa: F401  mingle and gossip on lonnymq workers
 from .cli import main
 
 
