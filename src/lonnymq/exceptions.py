@@ -62,6 +62,35 @@ class ChannelBusy(LonnyMQError):
     """
 
 
+class MessageNotFound(LonnyMQError):
+    """No waiting message has that id: it was never created, was acked or removed, or is a
+    dead letter (``dead``: retry it first, see :meth:`lonnymq.Broker.retry`)."""
+
+    def __init__(self, message_id: int, *, dead: bool = False) -> None:
+        if dead:
+            text = (
+                f"message {message_id} is a dead letter; put it back with "
+                f"`lonnymq messages retry {message_id}` first"
+            )
+        else:
+            text = f"no message {message_id} (acked, removed, or never created)"
+        super().__init__(text)
+        self.message_id = message_id
+        self.dead = dead
+
+
+class MessageLocked(LonnyMQError):
+    """The message is in flight: a consumer holds its lock (or held it, and it waits to be
+    taken over once the lock expired). Only ready and delayed messages may be changed."""
+
+    def __init__(self, message_id: int) -> None:
+        super().__init__(
+            f"message {message_id} is in flight (locked by a consumer); only a ready or "
+            "delayed message can be changed"
+        )
+        self.message_id = message_id
+
+
 class SchemaError(LonnyMQError):
     """The lonnymq schema in the database is missing, incomplete or of another version."""
 

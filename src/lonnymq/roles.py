@@ -12,8 +12,9 @@ needs no rights on the tables: it gets ``EXECUTE`` on the functions of its kind.
   does (touching expiring queues, dropping expired messages, pruning old dead letters), and
   reject to the dead letters.
 * ``admin``: everything, including policies, queue settings, purge and delete, listing,
-  showing, deleting and retrying messages and dead letters, and reading every table (messages
-  included). Installing and upgrading (``lonnymq migrate``) needs the owner.
+  showing, deleting, retrying and updating (rescheduling) messages and dead letters, and
+  reading every table (messages included). Installing and upgrading (``lonnymq migrate``)
+  needs the owner.
 
 Every kind may read the metadata tables (migration, queue, exchange, binding).
 
@@ -77,6 +78,7 @@ _ADMIN = (
     "message_get_v1",
     "message_remove_v1",
     "message_retry_v1",
+    "message_update_v1",
     "dead_purge_v1",
     "queue_configure_v1",
 )

@@ -13,6 +13,7 @@ from .operate import (
     QueueSettings,
     QueueStatus,
     RetryResult,
+    UpdateResult,
 )
 from .policy import ChannelInfo, Policy
 from .results import Created, CreateResult, Deduplicated, Dropped, Outcome, QueueStats
@@ -43,4 +44,5 @@ __all__ = [
     "QueueStats",
     "QueueStatus",
     "RetryResult",
+    "UpdateResult",
 ]

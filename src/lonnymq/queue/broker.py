@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Iterable, Sequence
+from datetime import datetime
 from typing import Any, overload
 
 import psycopg
@@ -33,6 +34,7 @@ from .operate import (
     QueueStatus,
     RetryResult,
     State,
+    UpdateResult,
     channels_op,
     configure_op,
     dead_purge_op,
@@ -45,6 +47,7 @@ from .operate import (
     retry_op,
     settings_op,
     status_op,
+    update_op,
 )
 from .policy import (
     ChannelInfo,
@@ -230,8 +233,39 @@ class Broker:
 
     def retry(self, conn: Conn, ids: Iterable[int]) -> list[RetryResult]:
         """Put dead letters back in their queue (as new messages, attempts from zero) and make
-        delayed messages due now."""
+        delayed messages due now (a Celery task's ``eta`` header is removed, so that a worker
+        runs it at once)."""
         return run(require_sync(conn), retry_op(self.schema, list(ids)))
+
+    def update(
+        self,
+        conn: Conn,
+        message_id: int,
+        *,
+        delay_ms: float | None = None,
+        at: datetime | None = None,
+        priority: int | None = None,
+        content: _checks.Content | None = None,
+    ) -> UpdateResult:
+        """Reschedule or edit a ready or delayed message: due in ``delay_ms`` (0: now) or at
+        ``at`` (an aware datetime; a time past means now), a new ``priority``, new
+        ``content``; what is None is kept. A message already due that is made due now keeps
+        its place. A Celery task's ``eta`` header is rewritten to agree (removed when due
+        now), so a worker runs it when the database hands it out. Idle consumers are woken.
+
+        Raises :class:`~lonnymq.MessageLocked` when a consumer holds the message (a dequeue
+        that is taking it at that moment is waited for, then refused) and
+        :class:`~lonnymq.MessageNotFound` for a missing id or a dead letter."""
+        op = update_op(
+            self.schema,
+            message_id,
+            delay_ms=delay_ms,
+            at=at,
+            priority=priority,
+            content=content,
+            max_message_bytes=self.max_message_bytes,
+        )
+        return run(require_sync(conn), op)
 
     def housekeep(self, conn: Conn, *, limit: int = 10_000) -> int:
         """Prune dead letters past their queue's retention (at most ``limit``) and fold the

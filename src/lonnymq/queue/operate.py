@@ -1,17 +1,18 @@
 """Operating a broker: queue status and counters, channel listings, messages by id (list,
-show, delete, retry), dead letters and queue settings. Each is one SQL function call."""
+show, delete, retry, update), dead letters and queue settings. Each is one SQL function
+call."""
 
 from __future__ import annotations
 
 import json
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Literal, LiteralString
 
 from psycopg.types.json import Jsonb
 
-from ..exceptions import InvalidArgument
+from ..exceptions import InvalidArgument, MessageLocked, MessageNotFound
 from . import _checks
 from ._ops import Op, Rows, render
 from .results import Outcome
@@ -27,6 +28,10 @@ _LIST: LiteralString = (
 _GET: LiteralString = "SELECT * FROM {schema}.message_get_v1(%s::bigint)"
 _REMOVE: LiteralString = "SELECT * FROM {schema}.message_remove_v1(%s::bigint[])"
 _RETRY: LiteralString = "SELECT * FROM {schema}.message_retry_v1(%s::bigint[])"
+_UPDATE: LiteralString = (
+    "SELECT * FROM {schema}.message_update_v1("
+    "%s::bigint, %s::bigint, %s::timestamptz, %s::integer, %s::bytea)"
+)
 _DEAD_PURGE: LiteralString = "SELECT {schema}.dead_purge_v1(%s::text)"
 _CONFIGURE: LiteralString = "SELECT {schema}.queue_configure_v1(%s::text, %s::jsonb)"
 _REJECT: LiteralString = "SELECT {schema}.message_reject_v1(%s::bigint, %s::uuid, %s::text)"
@@ -318,6 +323,63 @@ def retry_op(schema: str, ids: object) -> Op[list[RetryResult]]:
         return [RetryResult(*row) for row in rows]
 
     return Op(schema, render(_RETRY, schema), (_ids(ids),), parse)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateResult:
+    """A message after :meth:`lonnymq.Broker.update`: when it is due and its priority."""
+
+    id: int
+    dequeue_at: datetime
+    priority: int
+
+
+def update_op(
+    schema: str,
+    message_id: int,
+    *,
+    delay_ms: float | None = None,
+    at: datetime | None = None,
+    priority: int | None = None,
+    content: _checks.Content | None = None,
+    max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
+) -> Op[UpdateResult]:
+    """Reschedule or edit a ready or delayed message (None keeps what it has). Raises
+    :class:`~lonnymq.MessageLocked` for a message in flight and
+    :class:`~lonnymq.MessageNotFound` for a missing id or a dead letter."""
+    ident = _checks.integer(message_id, "message id", low=1, high=2**63 - 1)
+    if delay_ms is not None and at is not None:
+        raise InvalidArgument("give delay_ms or at, not both")
+    delay = (
+        None
+        if delay_ms is None
+        else _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS)
+    )
+    if at is not None:
+        if not isinstance(at, datetime):
+            raise InvalidArgument(f"at must be a datetime, not {type(at).__name__}")
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise InvalidArgument(f"at must be an aware datetime (with a tzinfo), not {at!r}")
+        if at - datetime.now(at.tzinfo) > timedelta(milliseconds=_checks.MAX_DELAY_MS):
+            raise InvalidArgument(f"at is more than ten years ahead: {at.isoformat()}")
+    prio = (
+        None
+        if priority is None
+        else _checks.integer(priority, "priority", low=0, high=_checks.MAX_PRIORITY)
+    )
+    data = None if content is None else _checks.content(content, max_message_bytes)
+    if delay is None and at is None and prio is None and data is None:
+        raise InvalidArgument("nothing to change: give delay_ms or at, priority, or content")
+
+    def parse(rows: Rows) -> UpdateResult:
+        code, due, new_priority = rows[0]
+        if code == "updated":
+            return UpdateResult(ident, due, int(new_priority))
+        if code == "locked":
+            raise MessageLocked(ident)
+        raise MessageNotFound(ident, dead=code == "dead")
+
+    return Op(schema, render(_UPDATE, schema), (ident, delay, at, prio, data), parse)
 
 
 def dead_purge_op(schema: str, queue: str) -> Op[int]:

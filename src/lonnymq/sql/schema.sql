@@ -2998,8 +2998,40 @@ END;
 $$;
 
 
+-- A kombu payload (JSON) whose headers carry an `eta` (Celery's delayed tasks), with that
+-- header made to agree with the message's due time: p_at as ISO 8601 in UTC, or JSON null
+-- (what Celery writes for a task without one) when p_at is NULL, the message being due now.
+-- A worker goes by the header, not by the database: a task made due now whose header kept
+-- its old eta would wait in the worker until then. Any other content comes back unchanged.
+CREATE FUNCTION {schema}.message_eta_v1(p_content bytea, p_at timestamptz) RETURNS bytea
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_doc jsonb;
+BEGIN
+    IF p_content IS NULL OR position('"eta"'::bytea IN p_content) = 0 THEN
+        RETURN p_content;
+    END IF;
+    BEGIN
+        v_doc := convert_from(p_content, 'UTF8')::jsonb;
+    EXCEPTION WHEN invalid_text_representation OR character_not_in_repertoire
+                   OR untranslatable_character THEN
+        RETURN p_content;  -- not JSON: not a kombu message
+    END;
+    IF jsonb_typeof(v_doc -> 'headers') IS DISTINCT FROM 'object'
+       OR NOT (v_doc -> 'headers') ? 'eta' THEN
+        RETURN p_content;
+    END IF;
+    RETURN convert_to(jsonb_set(v_doc, '{{headers,eta}}',
+        CASE WHEN p_at IS NULL THEN 'null'::jsonb
+             ELSE to_jsonb(to_char(p_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.US"+00:00"'))
+        END)::text, 'UTF8');
+END;
+$$;
+
+
 -- Retry messages by id: a dead letter goes back to its queue and channel as a new message
--- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now').
+-- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now',
+-- its Celery eta header cleared: message_eta_v1).
 -- Otherwise: 'ready' (nothing to do), 'locked' (a consumer holds it), 'channel_full' or
 -- 'deduplicated' (a never-delivered message of the same name waits, new_id; the dead letter
 -- stays in both cases), 'not_found'.
@@ -3058,7 +3090,8 @@ BEGIN
             UPDATE {schema}.message m SET dequeue_at = clock_timestamp(),
                 txid = pg_current_xact_id(),
                 arrival = CASE WHEN m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap)
-                    THEN 0 ELSE 2 END
+                    THEN 0 ELSE 2 END,
+                content = {schema}.message_eta_v1(m.content, NULL)
             WHERE m.id = v_id AND m.locked_until IS NULL;
             IF FOUND THEN
                 PERFORM {schema}.wake_v1(v_queue);
@@ -3069,6 +3102,73 @@ BEGIN
         END IF;
         RETURN NEXT;
     END LOOP;
+END;
+$$;
+
+
+-- Reschedule or edit a waiting (ready or delayed) message. Its due time: p_at, else now +
+-- p_delay_ms, else kept; a time not after now means due now (a message already due keeps its
+-- place, none is dated back before the others). Its priority and content: NULL keeps them.
+-- A Celery task's eta header is made to agree with the new due time (message_eta_v1); a time
+-- to live counts from the due time, so a message moved later keeps as long to live after it.
+-- result_code: 'updated' (due_at, new_priority: what the message has now); 'locked' (in
+-- flight: a consumer holds it, or its lock expired and it waits to be taken over); 'dead' (a
+-- dead letter: retry it first); 'not_found'.
+-- Like a defer, the update gives the message a new txid: the next ingest finds it again and
+-- lowers its lane's position and turn to it (moved earlier or to a higher priority, it would
+-- otherwise lie before a position that already passed it); it is delivered once ingested.
+-- A dequeue locking the row at that moment is waited for (its short transaction), and the
+-- message is then in flight and refused; a dequeue that comes while the update holds the row
+-- passes it by (SKIP LOCKED) and finds it at its next ingest.
+CREATE FUNCTION {schema}.message_update_v1(
+    p_id bigint, p_delay_ms bigint, p_at timestamptz, p_priority integer, p_content bytea,
+    OUT result_code text, OUT due_at timestamptz, OUT new_priority integer
+)
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_d {schema}.discovery;
+    v_m record;
+    v_now timestamptz;
+    v_at timestamptz;
+BEGIN
+    -- with the ingest held, as message_retry_v1: a message never ingested still counts once
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    SELECT m.queue, m.locked_until, m.dequeue_at, m.priority INTO v_m
+    FROM {schema}.message m WHERE m.id = p_id FOR UPDATE;
+    IF NOT FOUND THEN
+        result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.dead_message d WHERE d.id = p_id)
+            THEN 'dead' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    due_at := v_m.dequeue_at;
+    new_priority := v_m.priority;
+    IF v_m.locked_until IS NOT NULL THEN
+        result_code := 'locked';
+        RETURN;
+    END IF;
+    v_now := clock_timestamp();
+    v_at := CASE WHEN p_at IS NOT NULL THEN p_at
+                 WHEN p_delay_ms IS NOT NULL THEN v_now + p_delay_ms * interval '1 millisecond'
+                 ELSE v_m.dequeue_at END;
+    IF v_at <= v_now THEN
+        v_at := LEAST(v_m.dequeue_at, v_now);
+    END IF;
+    UPDATE {schema}.message m SET
+        dequeue_at = v_at,
+        priority = coalesce(p_priority, m.priority),
+        expires_at = CASE WHEN v_at > m.dequeue_at THEN m.expires_at + (v_at - m.dequeue_at)
+                          ELSE m.expires_at END,
+        content = CASE WHEN p_content IS NULL AND v_at = m.dequeue_at THEN m.content
+            ELSE {schema}.message_eta_v1(coalesce(p_content, m.content),
+                                         CASE WHEN v_at > v_now THEN v_at END) END,
+        txid = pg_current_xact_id(),
+        arrival = CASE WHEN m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap)
+            THEN 0 ELSE 2 END
+    WHERE m.id = p_id
+    RETURNING m.dequeue_at, m.priority INTO due_at, new_priority;
+    PERFORM {schema}.wake_v1(v_m.queue);
+    result_code := 'updated';
 END;
 $$;
 
@@ -3212,6 +3312,8 @@ ALTER FUNCTION {schema}.message_get_v1(bigint)
 ALTER FUNCTION {schema}.message_remove_v1(bigint[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_retry_v1(bigint[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.message_update_v1(bigint, bigint, timestamptz, integer, bytea)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.dead_purge_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
