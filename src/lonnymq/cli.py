@@ -10,6 +10,8 @@
     lonnymq messages show ID                      one message, headers and body
     lonnymq messages delete ID... | --queue Q [--state S] --all
     lonnymq messages retry ID... | --queue Q --all (dead letters back; delayed due now)
+    lonnymq messages update ID [--now | --in D | --at T] [--priority N] [--content C]
+                                                  reschedule or edit a waiting message
     lonnymq purge QUEUE [--dead] [--yes]          delete waiting messages (or dead letters)
     lonnymq metrics --port N                      serve Prometheus metrics for the database
     lonnymq housekeep                             expire, prune dead letters (consumers do it)
@@ -105,6 +107,13 @@ def _limit(text: str) -> int | None:
 
 def _positive(text: str) -> int:
     return _int(text, 1)
+
+
+def _priority(text: str) -> int:
+    value = _int(text, 0)
+    if value > 255:
+        raise argparse.ArgumentTypeError("must be 255 or less")
+    return value
 
 
 def _attempts(text: str) -> int | None:
@@ -869,6 +878,66 @@ def cmd_messages_retry(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _at(text: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 time: {text!r} (e.g. 2030-01-31T09:00:00+00:00)"
+        ) from None
+    if when.tzinfo is None:
+        raise argparse.ArgumentTypeError(
+            f"give the time with its UTC offset, e.g. {text}+00:00 or {text}Z"
+        )
+    return when
+
+
+def _content(args: argparse.Namespace) -> bytes | None:
+    if args.content is not None:
+        return str(args.content).encode("utf-8")
+    if args.content_file is not None:
+        if args.content_file == "-":
+            return sys.stdin.buffer.read()
+        try:
+            with open(args.content_file, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            _usage(f"messages update: cannot read {args.content_file}: {exc.strerror}")
+    return None
+
+
+def cmd_messages_update(args: argparse.Namespace) -> int:
+    delay_ms = 0 if args.now else args.delay
+    content = _content(args)
+    if delay_ms is None and args.at is None and args.priority is None and content is None:
+        _usage("messages update: give --now, --in or --at, --priority, or --content")
+    broker = Broker(args.schema)
+    with _connect(args) as conn:
+        broker.check(conn)
+        if content is not None:
+            detail = broker.message(conn, args.id)
+            headers = (detail.payload() or {}).get("headers") if detail else None
+            if isinstance(headers, dict) and headers.get("task"):
+                _usage(
+                    f"messages update: message {args.id} is a Celery task ({headers['task']}): "
+                    "its content is the task's payload, which stays as Celery wrote it; "
+                    "change its time (--now, --in, --at) or --priority"
+                )
+        result = broker.update(
+            conn, args.id, delay_ms=delay_ms, at=args.at, priority=args.priority, content=content
+        )
+        now = _db_now(conn)
+    if args.json:
+        _print_json({"id": result.id, "dequeue_at": result.dequeue_at, "priority": result.priority})
+        return 0
+    left = (result.dequeue_at - now).total_seconds()
+    when = f"due in {_term.age(left)}" if left > 0 else "due now"
+    print(
+        f"message {result.id}: {when} ({_term.when(result.dequeue_at)}), priority {result.priority}"
+    )
+    return 0
+
+
 def cmd_purge(args: argparse.Namespace) -> int:
     broker = Broker(args.schema)
     queue = broker.queue(args.queue)
@@ -1034,7 +1103,7 @@ def parser() -> argparse.ArgumentParser:
     )
     qset.set_defaults(func=cmd_queue)
 
-    messages = sub.add_parser("messages", help="list, show, delete, retry messages")
+    messages = sub.add_parser("messages", help="list, show, delete, retry, update messages")
     mactions = messages.add_subparsers(dest="action", required=True)
 
     def filters(p: argparse.ArgumentParser) -> None:
@@ -1061,6 +1130,33 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--all", action="store_true", help="every message matching the filters")
         p.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
         p.set_defaults(func=func)
+
+    mupdate = mactions.add_parser(
+        "update",
+        parents=[common],
+        help="reschedule or edit a ready or delayed message (refused when in flight)",
+    )
+    mupdate.add_argument("id", type=_positive)
+    when = mupdate.add_mutually_exclusive_group()
+    when.add_argument(
+        "--now", action="store_true", help="due now (a Celery task's eta header is removed)"
+    )
+    when.add_argument(
+        "--in",
+        dest="delay",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="due that long from now, e.g. 30s, 15m, 2h",
+    )
+    when.add_argument(
+        "--at", type=_at, default=None, metavar="TIME", help="due at an ISO 8601 time with offset"
+    )
+    mupdate.add_argument("--priority", type=_priority, default=None, help="0 to 255")
+    body = mupdate.add_mutually_exclusive_group()
+    body.add_argument("--content", help="new content, as text (not for Celery tasks)")
+    body.add_argument("--content-file", metavar="PATH", help="new content from a file ('-': stdin)")
+    mupdate.set_defaults(func=cmd_messages_update)
 
     purge = sub.add_parser("purge", parents=[common], help="delete a queue's waiting messages")
     purge.add_argument("queue")
