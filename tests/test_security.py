@@ -405,7 +405,9 @@ def test_sslpassword_is_masked_too() -> None:
 
 def test_masking_a_query_password_keeps_the_other_parameters() -> None:
     c = Connection(f"lonnymq://u@db.example:5432/app?password={PASSWORD}&sslmode=require")
-    assert c.as_uri() == "lonnymq://u@db.example:5432/app?password=**&sslmode=require"
+    # the password goes to the Connection's password field, shown masked where URLs show it
+    assert c.as_uri() == "lonnymq://u:**@db.example:5432/app?sslmode=require"
+    assert PASSWORD not in str(c.hostname) and c.password == PASSWORD
 
 
 # -- TLS ----------------------------------------------------------------------------------------

@@ -5,11 +5,17 @@ several hosts (``lonnymq://u:p@db1:5432,db2:5432/app?target_session_attrs=read-w
 ``sslmode``, ``sslrootcert``, ``connect_timeout``, ``application_name``... A kombu
 connection given as separate fields (hostname, userid, password, port, virtual_host as the
 database name) works too.
+
+kombu's ``Connection`` has fields for a host, port, user, password, database and connect
+timeout, and fills them itself for transports whose URL it parses. It cannot parse ours (a
+libpq parameter in the query is a ``TypeError`` to it, several ``HOST:PORT`` pairs a
+``ValueError``), so the transport fills them (:func:`split`) when kombu creates it.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -118,10 +124,149 @@ def from_fields(
         raise ConfigurationError(f"invalid connection parameters: {exc}") from None
 
 
-def as_uri(url: str, include_password: bool = False, mask: str = "**") -> str:
-    """The URL to show (in logs, ``kombu.Connection.as_uri()``): password masked unless asked."""
+def as_uri(
+    url: str, include_password: bool = False, mask: str = "**", *, password: str | None = None
+) -> str:
+    """The URL to show (in logs, ``kombu.Connection.as_uri()``): password masked unless asked.
+    ``password``: the one kombu's Connection holds in its field, for a URL without one."""
     if "://" not in url:
         return url if include_password else mask_password(url, mask)
     scheme, rest = url.split("://", 1)
     shown = f"lonnymq://{rest}" if scheme.lower() in SCHEMES else url
+    if password and not _has_password(url):
+        secret = quote(password, safe="") if include_password else quote(mask, safe="*")
+        scheme, rest = shown.split("://", 1)
+        end = min([i for i in (rest.find(c) for c in "/?#") if i >= 0] or [len(rest)])
+        netloc, tail = rest[:end], rest[end:]
+        if "@" in netloc:
+            user, hosts = netloc.rsplit("@", 1)
+            netloc = f"{user}:{secret}@{hosts}"
+        else:
+            netloc = f":{secret}@{netloc}"
+        return f"{scheme}://{netloc}{tail}"
     return shown if include_password else mask_password(shown, quote(mask, safe="*"))
+
+
+def _has_password(url: str) -> bool:
+    try:
+        return "password" in conninfo_to_dict(to_conninfo(url))
+    except ConfigurationError:
+        return True  # shown masked as it is
+
+
+#: The libpq parameters kombu's Connection has a field for.
+_FIELD_PARAMS = frozenset({"host", "port", "user", "password", "dbname", "connect_timeout"})
+#: The keywords kombu's Connection takes from a URL it parses (``Connection._init_params``): it
+#: parses every URL it fails over to, alternates and the first URL alike.
+_KOMBU_URL_KEYS = frozenset(
+    {
+        "transport",
+        "hostname",
+        "port",
+        "userid",
+        "password",
+        "virtual_host",
+        "insist",
+        "ssl",
+        "connect_timeout",
+        "login_method",
+        "heartbeat",
+        "credential_provider",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Fields:
+    """kombu ``Connection`` fields for a broker URL."""
+
+    #: The host (or hosts, comma-separated, as libpq takes them); the URL, without its
+    #: password, when it holds more than kombu's fields can (parameters such as ``sslmode``,
+    #: a port per host), so that ``Connection.clone()`` keeps them.
+    hostname: str
+    port: int | None
+    userid: str | None
+    password: str | None
+    virtual_host: str | None
+    connect_timeout: float | None
+
+
+def split(url: str) -> Fields:
+    """kombu's Connection fields for a broker URL (raises ConfigurationError if invalid)."""
+    params = conninfo_to_dict(to_conninfo(url))
+    host = str(params.get("host") or "")
+    ports = str(params.get("port") or "")
+    password = params.get("password")
+    timeout = params.get("connect_timeout")
+    if set(params) <= _FIELD_PARAMS and "," not in host and "," not in ports:
+        hostname = host or "localhost"
+    else:
+        hostname = _without_password(url)
+    return Fields(
+        hostname=hostname,
+        port=int(ports.split(",")[0]) if ports and "," not in ports else None,
+        userid=str(params["user"]) if params.get("user") else None,
+        password=str(password) if password is not None else None,
+        virtual_host=str(params["dbname"]) if params.get("dbname") else None,
+        connect_timeout=float(str(timeout)) if timeout is not None else None,
+    )
+
+
+def _without_password(url: str) -> str:
+    """``url`` with no password, in its user info or its query (where ``sslpassword`` stays)."""
+    url = _PASSWORD_IN_URL.sub(lambda m: m[1][:-1] + m[3], url)
+    if "?" not in url:
+        return url
+    base, query = url.split("?", 1)
+    kept = [p for p in query.split("&") if p.split("=", 1)[0].lower() != "password"]
+    return base + ("?" + "&".join(kept) if kept else "")
+
+
+def with_password(conninfo: str, password: str | None) -> str:
+    """``conninfo`` with ``password`` added, unless it has one of its own (or none is given)."""
+    if not password or "password" in conninfo_to_dict(conninfo):
+        return conninfo
+    return make_conninfo(conninfo, password=password)
+
+
+def check_alternates(urls: list[Any]) -> None:
+    """Refuse, with what to do instead, failover URLs that kombu's failover cannot take.
+
+    kombu parses each URL it fails over to with its own parser (``Connection.switch``), which
+    takes no libpq parameter but ``connect_timeout`` and no ``HOST:PORT`` list: it would raise a
+    ``TypeError`` or ``ValueError`` at the first failover, not at start."""
+    from kombu.utils.url import parse_url
+
+    if len(urls) < 2:
+        return
+    for url in urls:
+        if not isinstance(url, str) or "://" not in url:
+            continue
+        try:
+            keys = set(parse_url(url))
+        except ValueError:
+            keys = {"a port per host"}
+        unknown = sorted(keys - _KOMBU_URL_KEYS)
+        if unknown:
+            raise ConfigurationError(
+                f"{', '.join(unknown)} in {mask_password(url)!r}: with several URLs separated "
+                "by ';', kombu parses each one itself when it fails over, and takes no libpq "
+                "parameter but connect_timeout. Give one URL with several hosts instead "
+                "(lonnymq://USER@HOST1:PORT,HOST2:PORT/DB?sslmode=...&target_session_attrs="
+                "read-write: libpq tries them in turn), or set the parameter in the environment "
+                "(PGSSLMODE, PGAPPNAME...)"
+            )
+
+
+def from_client(client: Any, include_password: bool, mask: str) -> str:
+    """The URL to show for a kombu Connection whose fields hold the host (no URL)."""
+    user = quote(str(client.userid), safe="") if client.userid else ""
+    if client.password and not callable(client.password):
+        user += ":" + (quote(str(client.password), safe="") if include_password else mask)
+    host = str(client.hostname or "localhost")
+    netloc = (user + "@" if user else "") + quote(host, safe=",")
+    if client.port:
+        netloc += f":{client.port}"
+    vhost = client.virtual_host
+    path = "/" + quote(str(vhost), safe="") if vhost not in (None, "", "/") else ""
+    return f"lonnymq://{netloc}{path}"

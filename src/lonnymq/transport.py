@@ -65,6 +65,7 @@ import psycopg
 from amqp.protocol import queue_declare_ok_t
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
+from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.json import dumps, loads
 
 from . import _events, _headers, _url
@@ -73,8 +74,9 @@ from ._heartbeat import Heartbeat
 from ._loop import LoopConsumer
 from ._options import Options
 from ._pg import PgClient, Waiter
+from ._sweep import Sweeper, sweeper_for
 from .enqueue import current_connection
-from .exceptions import ChannelFull, ConnectionLost, LonnyMQError
+from .exceptions import ChannelFull, ConfigurationError, ConnectionLost, LonnyMQError
 from .migrator import wake_channel
 from .queue import Broker, Outcome
 from .queue import Message as QueueMessage
@@ -83,6 +85,7 @@ from .queue.admin import delete_queue_op, purge_op, stats_op
 from .queue.dequeue import DequeueResult, dequeue_op
 from .queue.finalize import defer_op, delete_op
 from .queue.operate import configure_op, reject_op, settings_op
+from .queue.policy import queue_get_op, queue_set_op
 from .queue.routing import (
     all_bindings_op,
     bind_op,
@@ -341,16 +344,37 @@ class Channel(virtual.Channel):
                 )
             waiting = self._size(queue)
         else:
-            arguments = kwargs.get("arguments") or {}
-            waiting, _ = self._run(
-                queue_declare_op(
-                    self.options.schema,
-                    queue,
-                    expires_ms=_headers.int_arg(arguments, "x-expires"),
-                    message_ttl_ms=_headers.int_arg(arguments, "x-message-ttl"),
-                )
-            )
+            waiting = self._declare(queue, _headers.queue_arguments(kwargs.get("arguments") or {}))
         return queue_declare_ok_t(queue, waiting, 0)
+
+    def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
+        """kombu's ``Queue(expires=, message_ttl=, max_length=, max_length_bytes=,
+        max_priority=)`` as the ``x-`` arguments of amqp (seconds become milliseconds), as
+        kombu's amqp and redis transports map them; ``queue_declare`` then takes both
+        spellings alike (see ``_headers.queue_arguments``)."""
+        return to_rabbitmq_queue_arguments(arguments or {}, **kwargs)
+
+    def _declare(self, queue: str, arguments: _headers.QueueArguments) -> int:
+        """Declare ``queue`` with its arguments; ``x-max-length`` sets the queue's default
+        ``max_size`` (in the same transaction; only when it differs, so that a role without
+        policy rights may redeclare). Returns the messages waiting."""
+        schema = self.options.schema
+        op = queue_declare_op(
+            schema, queue, expires_ms=arguments.expires_ms, message_ttl_ms=arguments.message_ttl_ms
+        )
+        if arguments.max_length is None:
+            waiting, _ = self._run(op)
+        else:
+            with self.connection.pg.locked() as conn, conn.transaction():
+                waiting, _ = run(conn, op)
+                default = run(conn, queue_get_op(schema, queue))
+                if default.max_size != arguments.max_length:
+                    run(
+                        conn,
+                        queue_set_op(schema, queue, default.max_concurrency, arguments.max_length),
+                    )
+        self.connection.queue_expires[queue] = arguments.expires_ms
+        return int(waiting)
 
     def queue_bind(
         self,
@@ -438,6 +462,8 @@ class Channel(virtual.Channel):
         caller = current_connection()
         # inside lonnymq.transaction(conn): in the caller's transaction, on its connection
         routed = self._run(op) if caller is None else run(caller, op)
+        if caller is None:  # never while the caller's transaction is open
+            self.connection.sweep()
         lane = str(headers.get("x-channel") or routing_key)
         for queue, code, message_id in routed.results:
             if code == "created" and message_id is not None:
@@ -710,8 +736,10 @@ class Transport(virtual.Transport):
 
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
+        _url.check_alternates(list(getattr(client, "alt", None) or []))
+        _adopt_url(client)
         self.options = Options.from_mapping(
-            dict(client.transport_options or {}), getattr(client, "connect_timeout", None)
+            dict(client.transport_options or {}), _client_connect_timeout(client)
         )
         self.polling_interval = self.options.polling_interval
         self.conninfo = _client_conninfo(client)
@@ -722,6 +750,8 @@ class Transport(virtual.Transport):
             auto_install=self.options.auto_install,
         )
         self.exchange_types: dict[str, str] = {}
+        #: x-expires (ms) of the queues this process declared: how often consumers touch them
+        self.queue_expires: dict[str, int | None] = {}
         self._waiter: Waiter | None = None
         self._heartbeat: Heartbeat | None = None
         self._said_polling = False
@@ -803,9 +833,18 @@ class Transport(virtual.Transport):
                     outcome.value,
                 )
 
-    @classmethod
-    def as_uri(cls, uri: str, include_password: bool = False, mask: str = "**") -> str:
-        return _url.as_uri(uri, include_password, mask)
+    def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
+        """The URL to show (``kombu.Connection.as_uri()``, logs, Celery's banner): the
+        password masked unless asked for, from the URL or from the Connection's fields."""
+        client = self.client
+        password = getattr(client, "password", None)
+        if uri and "://" in uri:
+            if callable(password):
+                password = None
+            return _url.as_uri(uri, include_password, mask, password=password)
+        if client is None:
+            raise NotImplementedError  # kombu then shows the hostname
+        return _url.from_client(client, include_password, mask)
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)
@@ -854,6 +893,38 @@ class Transport(virtual.Transport):
                 self._side_pg.close()
                 self._side_pg = None
             self.pg.close()
+
+    @property
+    def sweeper(self) -> Sweeper:
+        return sweeper_for(self.conninfo, self.options.schema, self.options.expire_interval)
+
+    def sweep(self, *, background: bool = False) -> None:
+        """Sweep what expired in the schema when this process is due to (every
+        ``expire_interval``; see ``_sweep``): from a consumer's background thread, or from a
+        producer on its way back from a publish (then at most 1,000 messages, and at most
+        0.2 s of waiting for locks)."""
+        sweeper = self.sweeper
+        if not sweeper.due():
+            return
+        limit, lock_ms = (10_000, 1000) if background else (1_000, 200)
+        with contextlib.suppress(LonnyMQError), self.pg.locked() as conn:
+            sweeper.sweep(conn, limit=limit, lock_timeout_ms=lock_ms)
+
+    def touch_seconds(self) -> float:
+        """How often a consumer marks the queues it consumes used, so that no sweep takes a
+        queue with a live consumer for unused: every 5 s, or often enough for the shortest
+        ``x-expires`` among them that this process declared (a touch writes only when the
+        last one is a second old, so a queue is at most 1 s + this interval unused: half of
+        what its x-expires leaves beyond that second, at least 0.25 s; enough for an
+        x-expires of 1.5 s or more)."""
+        active: set[str] = set()
+        for channel in list(self.channels):
+            active.update(channel._active_queues)
+        known = [self.queue_expires.get(q) for q in active]
+        shortest = min((ms for ms in known if ms), default=None)
+        if shortest is None:
+            return 5.0
+        return min(5.0, max(0.25, (shortest - 1000) / 2000))
 
     def _ensure_heartbeat(self) -> None:
         beat = self._heartbeat
@@ -960,10 +1031,47 @@ class Transport(virtual.Transport):
             looper.close()
 
 
+def _adopt_url(client: Any) -> None:
+    """Fill the kombu Connection's fields from its URL (kombu leaves the whole URL in
+    ``hostname``, since the transport parses its own URLs): ``hostname``, ``port``, ``userid``,
+    ``password``, ``virtual_host`` (the database) and ``connect_timeout``, as kombu does for
+    amqp and redis, so ``Connection.info()`` (Celery's ``inspect stats``, Flower) shows them, and
+    never the password. A URL with more than those (libpq parameters, several hosts) stays in
+    ``hostname``, without its password, so that ``Connection.clone()`` keeps it whole."""
+    hostname = client.hostname
+    if not isinstance(hostname, str) or "://" not in hostname:
+        return
+    fields = _url.split(hostname)
+    client.hostname = fields.hostname
+    client.port = fields.port or client.port
+    client.userid = fields.userid or client.userid
+    client.password = fields.password or client.password
+    if fields.virtual_host:
+        client.virtual_host = fields.virtual_host
+    if fields.connect_timeout is not None:
+        client.connect_timeout = fields.connect_timeout
+
+
+def _client_connect_timeout(client: Any) -> float | None:
+    """kombu's ``connect_timeout``, a number even when kombu took it, as text, from a URL it
+    parsed (an alternate it failed over to): then it is made a number for kombu too."""
+    value = getattr(client, "connect_timeout", None)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigurationError(
+                f"invalid connect_timeout {value!r} in the broker URL: expected seconds"
+            ) from None
+        client.connect_timeout = value
+    return value
+
+
 def _client_conninfo(client: Any) -> str:
     hostname = client.hostname or "localhost"
     if "://" in hostname:
-        return _url.to_conninfo(hostname)
+        password = client.password() if callable(client.password) else client.password
+        return _url.with_password(_url.to_conninfo(hostname), password)
     vhost = client.virtual_host
     return _url.from_fields(
         hostname,
