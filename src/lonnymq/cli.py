@@ -1010,10 +1010,17 @@ def cmd_housekeep(args: argparse.Namespace) -> int:
 # -- the parser ----------------------------------------------------------------------------------
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(dsn: str | None = None, schema: str | None = None) -> argparse.ArgumentParser:
+    """The command's parser; ``dsn`` and ``schema``: defaults of ``--dsn`` and ``--schema``
+    (``celery -A proj lonnymq`` gives those of the Celery app)."""
+    where = "the Celery app's broker_url" if dsn else "$DATABASE_URL"
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--dsn", help="database URL or libpq string (default: $DATABASE_URL)")
-    common.add_argument("--schema", default=migrator.DEFAULT_SCHEMA, help="lonnymq schema")
+    common.add_argument(
+        "--dsn", default=dsn, help=f"database URL or libpq string (default: {where})"
+    )
+    common.add_argument(
+        "--schema", default=schema or migrator.DEFAULT_SCHEMA, help="lonnymq schema"
+    )
     common.add_argument("--json", action="store_true", help="print JSON")
     common.add_argument(
         "--color",
@@ -1195,8 +1202,12 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def main(
+    argv: Sequence[str] | None = None, *, dsn: str | None = None, schema: str | None = None
+) -> int:
+    """Run the command; ``dsn`` and ``schema`` are defaults that ``--dsn`` and ``--schema``
+    override (``dsn`` also overrides ``$DATABASE_URL``)."""
+    args = parser(dsn, schema).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="lonnymq: %(message)s")
     try:
         code: int = args.func(args)
