@@ -1,9 +1,11 @@
-"""How a kombu message's headers and properties map onto a lonnymq create: tenant channel,
-de-duplication name, delay, priority, time to live."""
+"""How a kombu message's headers and properties map onto a lonnymq create (tenant channel,
+de-duplication name, delay, priority, time to live), and a queue's declare arguments onto its
+settings."""
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone, tzinfo
 from typing import Any
 
@@ -18,6 +20,61 @@ def int_arg(arguments: dict[str, Any], key: str) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         raise InvalidArgument(f"queue argument {key} must be an integer, not {value!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueArguments:
+    """What lonnymq does with a queue's declare arguments (kombu's ``Queue(expires=,
+    message_ttl=, max_length=, max_priority=)`` arrive as these, in milliseconds, through
+    ``Channel.prepare_queue_arguments``)."""
+
+    #: ``x-expires``: the queue goes when unused (no consumer, no declare) that long
+    expires_ms: int | None
+    #: ``x-message-ttl``: a message not delivered within that long after it is due goes
+    message_ttl_ms: int | None
+    #: ``x-max-length``: the queue's default ``max_size`` (each channel without a policy of
+    #: its own holds at most that many; a publish over it raises ChannelFull)
+    max_length: int | None
+    #: ``x-max-priority``: checked (1-255); priorities 0-255 are always honoured
+    max_priority: int | None
+
+
+_OVERFLOW_OK = (None, "reject-publish")
+
+
+def queue_arguments(arguments: dict[str, Any]) -> QueueArguments:
+    """The declare arguments lonnymq honours, checked; one it cannot honour is an error
+    (:class:`InvalidArgument`) rather than silently ignored."""
+    if arguments.get("x-max-length-bytes") is not None:
+        raise InvalidArgument(
+            "queue argument x-max-length-bytes (kombu's max_length_bytes) is not supported "
+            "by lonnymq: limit the number of messages with x-max-length (max_length), and "
+            "the size of each with the max_message_bytes transport option"
+        )
+    overflow = arguments.get("x-overflow")
+    if overflow not in _OVERFLOW_OK:
+        raise InvalidArgument(
+            f"queue argument x-overflow={overflow!r} is not supported by lonnymq: a full "
+            "queue refuses the publish (lonnymq.ChannelFull), as with 'reject-publish'; it "
+            "never drops the oldest message"
+        )
+    max_length = int_arg(arguments, "x-max-length")
+    if max_length is not None and not 0 <= max_length <= 2**31 - 1:
+        raise InvalidArgument(
+            f"queue argument x-max-length must be between 0 and {2**31 - 1}, not {max_length}"
+        )
+    max_priority = int_arg(arguments, "x-max-priority")
+    if max_priority is not None and not 1 <= max_priority <= 255:
+        raise InvalidArgument(
+            f"queue argument x-max-priority must be between 1 and 255 (message priorities "
+            f"are 0-255), not {max_priority}"
+        )
+    return QueueArguments(
+        expires_ms=int_arg(arguments, "x-expires"),
+        message_ttl_ms=int_arg(arguments, "x-message-ttl"),
+        max_length=max_length,
+        max_priority=max_priority,
+    )
 
 
 def str_or_none(value: Any, what: str) -> str | None:

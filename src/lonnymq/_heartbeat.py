@@ -1,5 +1,7 @@
-"""The consumer's background thread: extends the locks of every message the process holds,
-keeps its expiring queues alive, sweeps expired messages and queues, prunes old dead letters."""
+"""The consumer's background thread: extends the locks of every message the process holds
+(every ``heartbeat_interval``), marks its expiring queues used (often enough for their
+``x-expires``), sweeps expired messages and queues and prunes old dead letters (every
+``expire_interval``, see :mod:`lonnymq._sweep`)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from .queue.finalize import heartbeat_op
-from .queue.operate import housekeep_op
-from .queue.routing import expire_op, touch_op
+from .queue.routing import touch_op
 
 if TYPE_CHECKING:
     from .transport import Transport
@@ -23,7 +24,7 @@ Held = tuple[int, uuid.UUID]
 
 class Heartbeat(threading.Thread):
     """Extends the locks of every message the process holds; touches expiring queues;
-    sweeps expired messages and queues."""
+    sweeps expired messages and queues, with the other clients of the schema."""
 
     def __init__(self, transport: Transport) -> None:
         super().__init__(name="lonnymq-heartbeat", daemon=True)
@@ -33,28 +34,40 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         options = self.transport.options
-        last_expire = 0.0
-        while not self.stopped.wait(options.heartbeat_seconds):
+        last_beat = last_touch = time.monotonic()
+        while True:
+            # wake for the next lock heartbeat or touch of expiring queues (see
+            # Transport.touch_seconds), and at least every expire_interval for the sweep
+            touch = self.transport.touch_seconds()
+            due = min(last_beat + options.heartbeat_seconds, last_touch + touch)
+            wait = min(max(0.0, due - time.monotonic()), options.expire_interval)
+            if self.stopped.wait(wait):
+                return
+            now = time.monotonic()
             try:
-                self.beat()
-                if time.monotonic() - last_expire >= options.expire_interval:
-                    last_expire = time.monotonic()
-                    self.transport.pg.run(expire_op(options.schema))
-                    self.transport.pg.run(housekeep_op(options.schema))
+                if now - last_beat >= options.heartbeat_seconds:
+                    last_beat = now
+                    self.extend_locks()
+                if now - last_touch >= touch:
+                    last_touch = now
+                    self.touch()
+                self.transport.sweep(background=True)
             except Exception as exc:  # keep beating: the next tick may succeed
                 logger.warning("lonnymq: heartbeat failed: %s", exc)
 
     def beat(self) -> None:
+        """Extend the locks and touch the expiring queues now."""
+        self.extend_locks()
+        self.touch()
+
+    def extend_locks(self) -> None:
         transport = self.transport
-        schema = transport.options.schema
         held: list[Held] = []
-        queues: set[str] = set()
         for channel in list(transport.channels):
             if getattr(channel, "_qos", None) is not None:
                 held.extend(channel.qos.held())
-            queues.update(channel._active_queues)
         if held:
-            op = heartbeat_op(schema, held, lock_ms=transport.options.lock_ms)
+            op = heartbeat_op(transport.options.schema, held, lock_ms=transport.options.lock_ms)
             kept = transport.pg.run(transport.consumer_op(op))
             lost = [ref[0] for ref in held if ref[0] not in kept]
             if lost:
@@ -64,5 +77,13 @@ class Heartbeat(threading.Thread):
                     len(lost),
                     lost[:10],
                 )
+
+    def touch(self) -> None:
+        """Mark the consumed queues used now, so that no sweep takes them for unused (their
+        ``x-expires``)."""
+        transport = self.transport
+        queues: set[str] = set()
+        for channel in list(transport.channels):
+            queues.update(channel._active_queues)
         if queues:
-            transport.pg.run(touch_op(schema, sorted(queues)))
+            transport.pg.run(touch_op(transport.options.schema, sorted(queues)))
