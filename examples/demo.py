@@ -28,7 +28,7 @@ from psycopg import sql
 
 import lonnymq  # registers the lonnymq:// transport alias
 import lonnymq.celery
-from lonnymq.testing import database
+from lonnymq.testing import NoServerBinaries, database, where
 
 HERE = Path(__file__).resolve().parent
 TENANTS = {"acme": 400, "globex": 100, "initech": 20, "hooli": 5}
@@ -143,6 +143,7 @@ def run(conn: psycopg.Connection[tuple[str]]) -> list[str]:
 
 def main() -> None:
     with database() as dsn:
+        print(where(dsn), flush=True)
         schema = f"lonnymq_demo_{uuid.uuid4().hex[:8]}"
         os.environ["DATABASE_URL"] = dsn  # for the worker
         os.environ["LONNYMQ_EXAMPLE_SCHEMA"] = schema
@@ -163,4 +164,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except NoServerBinaries as exc:
+        raise SystemExit(f"demo: {exc}") from None

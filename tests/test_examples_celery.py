@@ -46,6 +46,8 @@ def test_celery_demo(pg_dsn: str) -> None:
 def test_demo(pg_dsn: str) -> None:
     """The README's demo: a real worker, four tenants, the small ones finish first."""
     lines = run(pg_dsn, "demo.py", timeout=240)
+    assert lines[0] == f"Postgres: {pg_dsn} (from $DATABASE_URL)"  # says where it works
+    lines = lines[1:]
     assert lines[:5] == [
         "enqueued 400 tasks for tenant acme",
         "enqueued 100 tasks for tenant globex",

@@ -66,15 +66,22 @@ def _usable(d: Path) -> bool:
     return all((d / exe).exists() for exe in ("initdb", "pg_ctl", "postgres"))
 
 
-def find_bindir() -> Path:
+class NoServerBinaries(RuntimeError):
+    """No PostgreSQL server binaries to start a throwaway server with."""
+
+
+def find_bindir(env: str = "DATABASE_URL") -> Path:
+    """The directory of the server binaries; ``env``: the variable the error tells to set
+    instead (the one the caller reads a database from)."""
     for d in _candidates():
         if _usable(d):
             return d
     bundled = _pgserver_bindir()
     if bundled is not None and _usable(bundled):
         return bundled
-    raise RuntimeError(
-        "no PostgreSQL server binaries found: set LONNYMQ_TEST_DSN to a database, or install "
+    raise NoServerBinaries(
+        f"no PostgreSQL server binaries found to start a throwaway Postgres: set {env} to a "
+        f"database (export {env}=postgresql://USER:PASSWORD@HOST:5432/DBNAME), or install "
         "the test extra (pip install -e '.[test]', which brings pgserver), or the postgresql "
         "server package"
     )
@@ -90,8 +97,14 @@ def free_port() -> int:
 class TempPostgres:
     """initdb + pg_ctl in a temporary directory; stop() removes nothing, cleanup() does."""
 
-    def __init__(self, *, port: int | None = None, settings: dict[str, str] | None = None) -> None:
-        self.bindir = find_bindir()
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        settings: dict[str, str] | None = None,
+        env: str = "DATABASE_URL",
+    ) -> None:
+        self.bindir = find_bindir(env)
         self.root = Path(tempfile.mkdtemp(prefix="lonnymq-pg-"))
         self.data = self.root / "data"
         self.port = port or free_port()
@@ -180,13 +193,26 @@ class TempPostgres:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{dbname}"
 
 
+def where(dsn: str, env: str = "DATABASE_URL") -> str:
+    """Where :func:`database` found its Postgres, for a program to print: ``$env`` or a
+    throwaway server (password masked)."""
+    from ._url import mask_password
+
+    if os.environ.get(env) == dsn:
+        return f"Postgres: {mask_password(dsn)} (from ${env})"
+    return (
+        f"Postgres: a throwaway server at {mask_password(dsn)}, removed at exit "
+        f"(set {env} to use yours)"
+    )
+
+
 @contextmanager
 def database(env: str = "DATABASE_URL") -> Iterator[str]:
     """The DSN in ``$env`` when set, else that of a throwaway server started for the block."""
     if os.environ.get(env):
         yield os.environ[env]
         return
-    server = TempPostgres().init().start()
+    server = TempPostgres(env=env).init().start()
     try:
         yield server.dsn()
     finally:
