@@ -544,6 +544,8 @@ API_FUNCTIONS = {
     "message_get_v1",
     "message_remove_v1",
     "message_retry_v1",
+    "message_update_v1",
+    "message_eta_v1",
     "dead_purge_v1",
     "queue_configure_v1",
     "housekeep_v1",
@@ -644,6 +646,13 @@ def test_everything_works_with_an_empty_search_path(
     assert broker.delete_many(conn, following.messages) == {
         m.id: Outcome.OK for m in following.messages
     }
+    # reschedule a waiting message, then run it now
+    made = a.message.create(conn, b"waiting", delay_ms=60_000)
+    assert isinstance(made, lonnymq.Created)
+    waiting = made.id
+    assert broker.update(conn, waiting, delay_ms=120_000, priority=2).priority == 2
+    broker.update(conn, waiting, delay_ms=0)
+    assert broker.remove(conn, [waiting]) == {waiting: "deleted"}
     retried = broker.retry(conn, [bad.id])
     assert [r.result for r in retried] == ["retried"] and retried[0].new_id is not None
     back = retried[0].new_id

@@ -271,6 +271,8 @@ EXPECTED_STATEMENTS = {
     "message_delete_many_v1": "array_position(p_ids, m.id)",
     "message_defer_v1": "dequeue_at = CASE WHEN p_delay_ms IS NULL",
     "message_heartbeat_v1": "SET locked_until = clock_timestamp() + p_lock_ms",
+    "message_update_v1 (lock the row)": "WHERE m.id = p_id FOR UPDATE",
+    "message_update_v1 (update)": "expires_at = CASE WHEN v_at > m.dequeue_at",
 }
 
 # Statements with a known defect, each pinned by a strict xfail test, are left out of the
@@ -343,6 +345,11 @@ def run_workload(broker: lonnymq.Broker, conn: Conn, rep: int) -> None:
     assert new.message.create(conn, b"x", name="job") == lonnymq.Deduplicated(first.id)
     new.policy.set(conn, max_size=1)
     assert isinstance(new.message.create(conn, b"x", raise_if_dropped=False), lonnymq.Dropped)
+    # reschedule and edit a waiting message in a big channel (message_update_v1): later, a
+    # higher priority, then due now
+    moved = broker.update(conn, named.id, delay_ms=60_000)
+    assert broker.update(conn, named.id, priority=7, content=b"y").priority == 7
+    assert broker.update(conn, named.id, delay_ms=0).dequeue_at < moved.dequeue_at
     # nothing due in 'sleepy': dequeue reports when to retry (queue_retry_ms_v1)
     empty = broker.dequeue(conn, ["sleepy"], limit=5)
     assert not empty and empty.retry_ms is not None
@@ -498,6 +505,7 @@ def test_operating_functions_run_without_jit(broker: lonnymq.Broker, conn: Conn)
         "message_get_v1",
         "message_remove_v1",
         "message_retry_v1",
+        "message_update_v1",
         "housekeep_v1",
     ):
         assert "jit=off" in config[name], (name, config[name])
