@@ -143,6 +143,10 @@ def test_late_worker_learns_revokes_and_gossips(
     assert len(event_queues(env, conn)) == 1
     _stop(b)
     assert event_queues(env, conn) == []
+    _stop(c)
+    for worker in (a, b, c):
+        assert worker.proc.returncode == 0, worker.log_tail()
+        assert "Traceback" not in worker.log.read_text(), worker.log_tail(120)
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ class Gossip(CeleryGossip):  # type: ignore[misc]
     """Celery's ``Gossip``, enabled on lonnymq."""
 
     requires = (Mingle, CeleryGossip)
+    _event_queues: list[Any] = []  # noqa: RUF012  (reassigned, never mutated)
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         celery_gossip = getattr(c, "gossip", None)
@@ -66,17 +67,22 @@ class Gossip(CeleryGossip):  # type: ignore[misc]
     def compatible_transport(self, app: Any) -> bool:
         return is_lonnymq(app) and not super().compatible_transport(app)
 
+    def get_consumers(self, channel: Any) -> list[Any]:
+        consumers: list[Any] = super().get_consumers(channel)
+        self._event_queues = [queue for consumer in consumers for queue in consumer.queues]
+        return consumers
+
     def _close(self, c: Any, cancel_consumers: bool = True) -> None:
         # The event queue is ``auto_delete``, which RabbitMQ honours when its consumer goes:
-        # delete it here, or every worker's heartbeats pile up in it until it expires.
+        # delete it here, or every worker's heartbeats pile up in it until it expires. A
+        # worker's stop and then its shutdown both come here: the first one deletes.
+        queues, self._event_queues = self._event_queues, []
         connection = c.connection
-        errors = (
-            tuple(connection.connection_errors) + tuple(connection.channel_errors)
-            if connection is not None
-            else ()
-        )
-        for consumer in (self.consumers or ()) if connection is not None else ():
-            for queue in consumer.queues:
+        if connection is not None:
+            errors = tuple(connection.connection_errors) + tuple(connection.channel_errors)
+            for queue in queues:
+                if getattr(queue.channel, "closed", False):
+                    continue
                 try:
                     queue.delete()
                 except errors as exc:
