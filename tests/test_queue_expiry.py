@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import kombu
 import psycopg
 import pytest
 from kombu.connection import Connection
+from kombu.entity import Exchange, Queue
 from psycopg import sql
 
 import lonnymq
@@ -97,7 +97,7 @@ def test_queue_keyword_arguments_are_mapped_like_amqp(
     takes them) become ``x-expires`` / ``x-message-ttl`` in milliseconds, ``x-max-length``
     the queue's default ``max_size``, as kombu's amqp and redis transports map them."""
     with make_connection() as connection:
-        q = kombu.Queue("kw", expires=5, message_ttl=2.5, max_length=3, max_priority=10)
+        q = Queue("kw", expires=5, message_ttl=2.5, max_length=3, max_priority=10)
         q(connection.default_channel).declare()
         assert queue_row(conn, schema, "kw") == (5000, 2500, 3, None)
         producer = connection.Producer()
@@ -113,13 +113,13 @@ def test_queue_keyword_arguments_are_mapped_like_amqp(
             got.append(message.payload["i"])
         assert got == [2, 1, 0]
         # a declare with the queue_arguments spelling gives the same row
-        kombu.Queue(
-            "kw2", queue_arguments={"x-expires": 5000, "x-message-ttl": 2500, "x-max-length": 3}
-        )(connection.default_channel).declare()
+        Queue("kw2", queue_arguments={"x-expires": 5000, "x-message-ttl": 2500, "x-max-length": 3})(
+            connection.default_channel
+        ).declare()
         assert queue_row(conn, schema, "kw2") == (5000, 2500, 3, None)
         # a redeclare without max_length leaves the limit (a policy) alone; other arguments
         # are what the last declare says, as before
-        kombu.Queue("kw", expires=7)(connection.default_channel).declare()
+        Queue("kw", expires=7)(connection.default_channel).declare()
         assert queue_row(conn, schema, "kw") == (7000, None, 3, None)
 
 
@@ -127,7 +127,7 @@ def test_queue_message_ttl_in_seconds_drops_undelivered_messages(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:
     with make_connection() as connection:
-        q = kombu.Queue("short", message_ttl=0.2)
+        q = Queue("short", message_ttl=0.2)
         q(connection.default_channel).declare()
         connection.Producer().publish("old", routing_key="short")
         time.sleep(0.4)
@@ -138,15 +138,15 @@ def test_queue_message_ttl_in_seconds_drops_undelivered_messages(
 @pytest.mark.parametrize(
     ("queue", "needle"),
     [
-        (lambda: kombu.Queue("b", max_length_bytes=1000), "x-max-length-bytes"),
+        (lambda: Queue("b", max_length_bytes=1000), "x-max-length-bytes"),
         (
-            lambda: kombu.Queue("d", max_length=5, queue_arguments={"x-overflow": "drop-head"}),
+            lambda: Queue("d", max_length=5, queue_arguments={"x-overflow": "drop-head"}),
             "x-overflow",
         ),
-        (lambda: kombu.Queue("p", max_priority=256), "x-max-priority"),
-        (lambda: kombu.Queue("p0", max_priority=0), "x-max-priority"),
-        (lambda: kombu.Queue("m", max_length=-1), "x-max-length"),
-        (lambda: kombu.Queue("e", expires=0.0001), "x-expires"),
+        (lambda: Queue("p", max_priority=256), "x-max-priority"),
+        (lambda: Queue("p0", max_priority=0), "x-max-priority"),
+        (lambda: Queue("m", max_length=-1), "x-max-length"),
+        (lambda: Queue("e", expires=0.0001), "x-expires"),
     ],
     ids=["max_length_bytes", "drop-head", "priority-256", "priority-0", "length-neg", "tiny"],
 )
@@ -154,7 +154,7 @@ def test_queue_arguments_that_cannot_be_honoured_are_refused(
     make_connection: Callable[..., Connection],
     conn: Conn,
     schema: str,
-    queue: Callable[[], kombu.Queue],
+    queue: Callable[[], Queue],
     needle: str,
 ) -> None:
     with make_connection() as connection:
@@ -168,7 +168,7 @@ def test_reject_publish_overflow_is_accepted(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:
     with make_connection() as connection:
-        kombu.Queue("r", max_length=1, queue_arguments={"x-overflow": "reject-publish"})(
+        Queue("r", max_length=1, queue_arguments={"x-overflow": "reject-publish"})(
             connection.default_channel
         ).declare()
         assert queue_row(conn, schema, "r") == (None, None, 1, None)
@@ -313,7 +313,7 @@ def test_pidbox_queue_of_a_killed_worker_is_swept_by_a_producer(
     # broadcasts to the dead worker: they pile up in its pidbox queue
     with Connection(url_of(pg_dsn), transport_options={"schema": schema}) as c:
         producer = c.Producer()
-        exchange = kombu.Exchange("celery.pidbox", type="fanout")
+        exchange = Exchange("celery.pidbox", type="fanout")
         for _ in range(5):
             producer.publish({"method": "ping"}, exchange=exchange, routing_key="")
     assert messages_of(conn, schema, pidbox) == 5
@@ -449,8 +449,13 @@ def test_a_live_consumer_keeps_its_expiring_queue(
     broker = lonnymq.Broker(schema)
     with make_connection() as consumer, make_connection(expire_interval=0.05) as producer:
         got: list[Any] = []
-        q = kombu.Queue("alive", queue_arguments={"x-expires": 1500})
-        with consumer.Consumer(q, callbacks=[lambda body, m: (got.append(body), m.ack())]):
+        q = Queue("alive", queue_arguments={"x-expires": 1500})
+
+        def on_message(body: Any, message: Any) -> None:
+            got.append(body)
+            message.ack()
+
+        with consumer.Consumer(q, callbacks=[on_message]):
             deadline, sent = time.monotonic() + 4, 0
             while time.monotonic() < deadline:
                 producer.Producer().publish("tick", routing_key="alive")

@@ -48,10 +48,11 @@ class Heartbeat(threading.Thread):
                 if now - last_beat >= options.heartbeat_seconds:
                     last_beat = now
                     self.extend_locks()
-                if now - last_touch >= touch:
+                if now - last_touch >= touch and not self.stopped.is_set():
                     last_touch = now
                     self.touch()
-                self.transport.sweep(background=True)
+                if not self.stopped.is_set():  # the transport may be closing
+                    self.transport.sweep(background=True)
             except Exception as exc:  # keep beating: the next tick may succeed
                 logger.warning("lonnymq: heartbeat failed: %s", exc)
 

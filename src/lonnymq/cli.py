@@ -43,7 +43,7 @@ import psycopg
 from . import _term, migrator, roles
 from ._url import mask_password
 from .exceptions import InvalidArgument, LonnyMQError
-from .queue import Broker, QueueStatus
+from .queue import Broker, QueueExpiry, QueueStatus
 from .queue.operate import STATES, MessageDetail, MessageInfo, state_arg
 
 # -- plumbing --------------------------------------------------------------------------------
@@ -245,7 +245,9 @@ def _print(data: dict[str, Any], as_json: bool) -> None:
 # -- status, top, channels, stats ----------------------------------------------------------------
 
 
-def _status_dict(s: QueueStatus, now: datetime) -> dict[str, Any]:
+def _status_dict(
+    s: QueueStatus, now: datetime, expiry: QueueExpiry | None = None
+) -> dict[str, Any]:
     return {
         "queue": s.queue,
         "ready": s.ready,
@@ -271,11 +273,22 @@ def _status_dict(s: QueueStatus, now: datetime) -> dict[str, Any]:
             "max_attempts": s.settings.max_attempts,
             "dead_retention_ms": s.settings.dead_retention_ms,
         },
+        # x-expires: None for a queue without one
+        "expiry": None
+        if expiry is None
+        else {
+            "expires_ms": expiry.expires_ms,
+            "unused_seconds": round(expiry.unused_seconds, 3),
+            "expired": expiry.expired,
+        },
     }
 
 
 def _read_status(
-    conn: psycopg.Connection[Any], broker: Broker, args: argparse.Namespace
+    conn: psycopg.Connection[Any],
+    broker: Broker,
+    args: argparse.Namespace,
+    keep: frozenset[str] = frozenset(),
 ) -> tuple[list[QueueStatus], datetime]:
     statuses = broker.status(conn, count_ready=not args.no_count)
     now = _db_now(conn)
@@ -286,8 +299,27 @@ def _read_status(
         if missing:
             print(f"lonnymq: no such queue: {', '.join(missing)}", file=sys.stderr)
     elif not args.all:
-        statuses = [s for s in statuses if not _is_internal(s)]
+        statuses = [s for s in statuses if s.queue in keep or not _is_internal(s)]
     return statuses, now
+
+
+def expired_warning(expiries: list[QueueExpiry], statuses: list[QueueStatus]) -> str | None:
+    """A warning naming the queues past their ``x-expires`` that are still there (leftovers of
+    processes that are gone, which no client of the schema has swept since), with what they
+    hold, else None."""
+    expired = [e for e in expiries if e.expired]
+    if not expired:
+        return None
+    totals = {s.queue: s.total for s in statuses}
+    held = sum(totals.get(e.queue, 0) for e in expired)
+    named = ", ".join(f"{e.queue} ({totals.get(e.queue, 0):,})" for e in expired[:10])
+    more = f" and {len(expired) - 10} more" if len(expired) > 10 else ""
+    return (
+        f"warning: {len(expired)} queue(s) past their x-expires, holding {held:,} "
+        f"message(s): {named}{more}. The next sweep deletes them (any client of the schema "
+        "sweeps every expire_interval); with none running, run `lonnymq housekeep` "
+        "(docs/operations.md, 'Housekeeping')"
+    )
 
 
 def _is_internal(s: QueueStatus) -> bool:
@@ -360,13 +392,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     broker = Broker(args.schema)
     with _connect(args) as conn:
         broker.check(conn)
-        statuses, now = _read_status(conn, broker, args)
+        expiries = broker.expiring(conn)
+        if args.queues:
+            expiries = [e for e in expiries if e.queue in set(args.queues)]
+        expired = frozenset(e.queue for e in expiries if e.expired)
+        statuses, now = _read_status(conn, broker, args, keep=expired)
         warning = horizon_warning(conn, broker, args.snapshot_warn)
+    leftovers = expired_warning(expiries, statuses)
+    by_queue = {e.queue: e for e in expiries}
     code = 1 if args.queues and len(statuses) < len(set(args.queues)) else 0
     if args.json:
-        _print_json([_status_dict(s, now) for s in statuses])
-        if warning:
-            print(warning, file=sys.stderr)
+        _print_json([_status_dict(s, now, by_queue.get(s.queue)) for s in statuses])
+        for line in (warning, leftovers):
+            if line:
+                print(line, file=sys.stderr)
         return code
     style = _style(args)
     if not statuses:
@@ -375,8 +414,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         rows = [_status_row(s, now, style) for s in statuses]
         print(_term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 7))))
-    if warning:
-        print(style(warning, "yellow"))
+    for line in (warning, leftovers):
+        if line:
+            print(style(line, "yellow"))
     return code
 
 

@@ -1,5 +1,6 @@
 """The lonnymq queue API (see :mod:`lonnymq.queue.broker`)."""
 
+from .admin import QueueExpiry
 from .batch import Batch, Pending
 from .broker import Broker, Channel, Queue
 from .dequeue import DeadLettered, DequeueResult, Message
@@ -40,6 +41,7 @@ __all__ = [
     "Pending",
     "Policy",
     "Queue",
+    "QueueExpiry",
     "QueueSettings",
     "QueueStats",
     "QueueStatus",

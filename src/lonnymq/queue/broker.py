@@ -18,7 +18,7 @@ import psycopg
 from .. import migrator
 from . import _checks
 from ._ops import execute, require_sync, run
-from .admin import delete_queue_op, list_queues_op, purge_op, stats_op
+from .admin import QueueExpiry, delete_queue_op, expiring_op, list_queues_op, purge_op, stats_op
 from .batch import Batch
 from .create import create_op
 from .dequeue import DEFAULT_LOCK_MS, DequeueResult, Message, dequeue_op
@@ -173,6 +173,12 @@ class Broker:
         """Delete messages past their TTL (not held by a consumer; at most ``limit``) and
         queues unused for longer than their ``x-expires``. Returns (messages, queues)."""
         return run(require_sync(conn), expire_op(self.schema, limit))
+
+    def expiring(self, conn: Conn) -> list[QueueExpiry]:
+        """The queues with an ``x-expires``, and how long each has been unused; those past
+        it (``.expired``) go at the next sweep (:meth:`expire`, run by every client of the
+        schema now and then, and by ``lonnymq housekeep``)."""
+        return run(require_sync(conn), expiring_op(self.schema))
 
     def batch(self) -> Batch:
         """A batch of creates and policy changes across queues: ``batch.queue(q).channel(c)``."""
