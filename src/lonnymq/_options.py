@@ -62,7 +62,8 @@ class Options:
     auto_install: bool = True
     #: Largest message (serialized payload) accepted, bytes.
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    #: Seconds between expiry sweeps (message TTLs, x-expires queues) by consumers.
+    #: Seconds between expiry sweeps (message TTLs, x-expires queues, old dead letters) by
+    #: each process (consumers and producers), skipped when another client swept more recently.
     expire_interval: float = 10.0
     #: How the consumer's own transactions commit (dequeue, ack, reject, lock heartbeat):
     #: "async" (synchronous_commit off: no wait for the WAL flush; a database crash can lose

@@ -14,7 +14,7 @@
                                                   reschedule or edit a waiting message
     lonnymq purge QUEUE [--dead] [--yes]          delete waiting messages (or dead letters)
     lonnymq metrics --port N                      serve Prometheus metrics for the database
-    lonnymq housekeep                             expire, prune dead letters (consumers do it)
+    lonnymq housekeep                             expire, prune dead letters (clients do it too)
     lonnymq grant producer|worker|admin ROLE / revoke ROLE
 
 Every command reads the database from ``--dsn`` or ``$DATABASE_URL`` (a ``postgresql://`` or
@@ -1040,7 +1040,12 @@ def cmd_housekeep(args: argparse.Namespace) -> int:
     broker = Broker(args.schema)
     with _connect(args) as conn:
         broker.check(conn)
-        messages, queues = broker.expire(conn)
+        messages = queues = 0
+        while True:  # a run takes at most 10,000 messages past their time to live
+            more, gone = broker.expire(conn, limit=10_000)
+            messages, queues = messages + more, queues + gone
+            if more < 10_000:
+                break
         pruned = broker.housekeep(conn)
     result = {"expired_messages": messages, "expired_queues": queues, "dead_pruned": pruned}
     _print(result, args.json)

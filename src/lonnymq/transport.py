@@ -17,7 +17,10 @@ Features
 - Delays stay in Postgres: Celery's ``eta`` header (``countdown``/``eta``) or an ``x-delay-ms``
   header keep the message invisible to consumers until due. Priority: the ``priority``
   property (0-255, higher first, within a channel). Expiry: the ``expiration`` property and the
-  ``x-message-ttl`` / ``x-expires`` queue arguments.
+  ``x-message-ttl`` / ``x-expires`` queue arguments; kombu's ``Queue(expires=, message_ttl=,
+  max_length=, max_priority=)`` map onto them as on amqp (``x-max-length``: the queue's default
+  ``max_size``; arguments lonnymq cannot honour are refused). Every client of the schema sweeps
+  what expired, at most every ``expire_interval`` (see ``_sweep``).
 - Delivery: a consumer dequeues up to its free prefetch window across its queues in one round
   trip and locks the messages for ``visibility_timeout``; ack deletes; reject with requeue and
   the restore of unacked messages at shutdown unlock the same row; reject without requeue
