@@ -112,7 +112,11 @@ CREATE TABLE {schema}.message (
     created_at timestamptz NOT NULL DEFAULT now(),
     name text CHECK (length(name) BETWEEN 1 AND 255),
     content bytea NOT NULL,
-    state bytea
+    state bytea,
+    -- a message is locked when it has both: statements that find a message by id and lock
+    -- token rely on it, and so stay on the primary key, off message_locked_idx (which a held
+    -- snapshot fills with the dead entries of everything consumed)
+    CONSTRAINT message_lock_pair CHECK ((locked_until IS NULL) = (lock_token IS NULL))
 );
 
 -- Unlocked messages of a channel in the order they are handed out. Read from a lane's
@@ -802,12 +806,14 @@ BEGIN
               AND m.locked_until IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
             UNION ALL
             -- (by the txid index, one probe per transaction: another partial index of the
-            -- same predicate would be read whole, dead entries and all)
+            -- same predicate would be read whole, dead entries and all; OFFSET 0 keeps the
+            -- planner from flattening the probes into a hash join over such a read)
             SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
             FROM unnest(v_xip) AS x(txid)
             CROSS JOIN LATERAL (
                 SELECT m.* FROM {schema}.message m
                 WHERE m.txid = x.txid AND m.locked_until IS NULL
+                OFFSET 0
             ) AS m
             UNION ALL
             -- the heads the last ingest could not write (counted then)
@@ -1306,7 +1312,6 @@ BEGIN
             DELETE FROM {schema}.message m
             WHERE m.id = ANY (p_ack_ids)
               AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
-              AND m.locked_until IS NOT NULL
             RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
         )
         SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
@@ -1372,12 +1377,13 @@ BEGIN
             SELECT ARRAY[q.name::text], ARRAY[coalesce(q.max_attempts, 2147483647)],
                    ARRAY[coalesce(v_d.turn_from[v_qi], '-infinity')],
                    ARRAY[coalesce(v_d.lock_from[v_qi], '-infinity')],
-                   EXISTS (
-                       SELECT 1 FROM {schema}.message e
-                       WHERE e.queue = q.name
-                         AND e.locked_until >= coalesce(v_d.lock_from[v_qi], '-infinity')
-                         AND e.locked_until <= v_now
-                       ORDER BY e.locked_until LIMIT 1)
+                   -- (the first one in lock order, from the queue's lock position: an EXISTS
+                   -- loses the order, and was planned as a read of the whole locked index)
+                   (SELECT e.locked_until FROM {schema}.message e
+                    WHERE e.queue = p_queues[1]
+                      AND e.locked_until >= coalesce(v_d.lock_from[v_qi], '-infinity')
+                      AND e.locked_until <= v_now
+                    ORDER BY e.queue, e.locked_until LIMIT 1) IS NOT NULL
             INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
             FROM {schema}.queue q WHERE q.name = p_queues[1];
         ELSE
@@ -1641,7 +1647,7 @@ BEGIN
                         v_locked := v_take;
                     ELSIF v_rows > 0 THEN
                         v_locked := ARRAY(SELECT m.id FROM {schema}.message m
-                                          WHERE m.id = ANY (v_take) AND m.locked_until IS NOT NULL);
+                                          WHERE m.id = ANY (v_take) AND m.lock_token IS NOT NULL);
                     END IF;
                     v_k := v_lanes[1];
                     v_taken[v_k] := v_taken[v_k] + cardinality(v_locked);
@@ -1934,7 +1940,6 @@ BEGIN
         DELETE FROM {schema}.message m
         WHERE m.id = ANY (p_ids)
           AND m.lock_token = p_lock_tokens[array_position(p_ids, m.id)]
-          AND m.locked_until IS NOT NULL
         RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
     )
     SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
@@ -1999,7 +2004,7 @@ BEGIN
             ELSE clock_timestamp() + p_delay_ms * interval '1 millisecond' END,
         state = CASE WHEN p_set_state THEN p_state ELSE m.state END
     FROM (SELECT o.id, o.slotted FROM {schema}.message o
-          WHERE o.id = p_id AND o.lock_token = p_lock_token AND o.locked_until IS NOT NULL
+          WHERE o.id = p_id AND o.lock_token = p_lock_token
           FOR UPDATE) AS old
     WHERE m.id = old.id
     RETURNING m.queue, m.channel, old.slotted INTO r;
@@ -2025,7 +2030,7 @@ LANGUAGE sql AS $$
     WITH extended AS (
         UPDATE {schema}.message m SET locked_until = clock_timestamp() + p_lock_ms * interval '1 millisecond'
         FROM unnest(p_ids, p_lock_tokens) AS h(id, lock_token)
-        WHERE m.id = h.id AND m.lock_token = h.lock_token AND m.locked_until IS NOT NULL
+        WHERE m.id = h.id AND m.lock_token = h.lock_token
         RETURNING m.id, m.queue, m.channel, m.locked_until
     ), tallied AS (
         -- (a lock extended for less than it had: the ingest's hint of the next expiry)
@@ -2106,7 +2111,7 @@ DECLARE
     r record;
 BEGIN
     PERFORM 1 FROM {schema}.message m
-    WHERE m.id = p_id AND m.lock_token = p_lock_token AND m.locked_until IS NOT NULL
+    WHERE m.id = p_id AND m.lock_token = p_lock_token
     FOR UPDATE;
     IF NOT FOUND THEN
         result_code := CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = p_id)
@@ -3248,57 +3253,57 @@ $$;
 -- admin). The internal functions are only called by the entry points.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
 ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_create_many_v1(text[], text[], text[], bytea[], integer[], bigint[], bigint[])
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_publish_v1(text, text, text, text, bytea, integer, bigint, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_delete_v1(bigint, uuid)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_delete_many_v1(bigint[], uuid[])
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_defer_v1(bigint, uuid, bigint, boolean, bytea)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_heartbeat_v1(bigint[], uuid[], bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.channel_policy_set_v1(text, text, integer, integer)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.channel_get_v1(text, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_policy_set_v1(text, integer, integer)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_purge_v1(text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_delete_v1(text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_stats_v1(text, boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.exchange_declare_v1(text, text, boolean, boolean)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.exchange_delete_v1(text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_declare_v1(text, bigint, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_bind_v1(text, text, text, text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_unbind_v1(text, text, text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_touch_v1(text[])
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.expire_v1(integer)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_status_v1(boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.horizon_v1(integer)
@@ -3316,8 +3321,8 @@ ALTER FUNCTION {schema}.message_retry_v1(bigint[])
 ALTER FUNCTION {schema}.message_update_v1(bigint, bigint, timestamptz, integer, bytea)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.dead_purge_v1(text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.queue_configure_v1(text, jsonb)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.housekeep_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
