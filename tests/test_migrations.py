@@ -754,6 +754,84 @@ def test_install_over_a_schema_without_migration_table(
 # --- 9. the upgrade from version 4 -----------------------------------------------------------
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["one-transaction", "apart"])
+def test_upgrade_from_version_4_while_other_transactions_commit(
+    schema: str, connect: Callable[..., Conn], together: bool
+) -> None:
+    """Migration 5 took the ingest's first position with pg_current_snapshot(). When a
+    transaction with a later xid committed during the upgrade (any busy database), that
+    snapshot counted the upgrade's own transaction as visible, and the messages it moved (of
+    its txid) as ingested: no lane pointed at them, and they were never handed out. Migration
+    6 puts that transaction back among the running ones, so the next ingest takes them; with 5
+    and 6 in one transaction (as install() applies them) and in two."""
+    conn = connect(autocommit=False)
+    other = connect()
+    steps = lonnymq.migrations(schema)
+    for _, text in steps[:4]:
+        with conn.transaction():
+            conn.execute(text.encode())
+    s = sql.Identifier(schema)
+    for channel, content, delay in (
+        ("a", "a1", 0),
+        ("a", "a2", 0),
+        ("b", "b1", 0),
+        ("c", "c1", 50),
+    ):
+        conn.execute(
+            sql.SQL(
+                "SELECT * FROM {s}.message_create_v1('jobs', %s, NULL, %s::bytea, 0, %s, NULL)"
+            ).format(s=s),
+            (channel, content.encode(), delay),
+        )
+    conn.commit()
+
+    # the upgrade's transaction has its xid; a later one commits before the upgrade's snapshot
+    conn.execute("SELECT pg_current_xact_id()")
+    other.execute("SELECT pg_current_xact_id()")
+    conn.execute(steps[4][1].encode())
+    if not together:
+        conn.commit()
+    for _, text in steps[5:]:
+        conn.execute(text.encode())
+    conn.commit()
+
+    conn.autocommit = True
+    broker = lonnymq.Broker(schema)
+    time.sleep(0.1)  # c1 is due
+    got = []
+    for _ in range(10):
+        res = broker.dequeue(conn, ["jobs"], limit=10, lock_ms=60_000, listen=False)
+        got += [bytes(m.content) for m in res.messages]
+        if len(got) >= 4:
+            break
+    assert sorted(got) == [b"a1", b"a2", b"b1", b"c1"]
+    invariants.assert_consistent(conn, schema)
+    [status] = broker.status(conn)
+    assert (status.counters.enqueued, status.counters.delivered) == (4, 4)
+
+
+def test_a_fresh_install_inside_a_transaction_that_creates(
+    schema: str, connect: Callable[..., Conn]
+) -> None:
+    """The install's first ingest position leaves out the installing transaction: the
+    messages a caller's transaction creates right after the schema was installed in it are
+    handed out, even when a later transaction committed in between."""
+    conn = connect(autocommit=False)
+    other = connect()
+    broker = lonnymq.Broker(schema)
+    conn.execute("SELECT pg_current_xact_id()")
+    other.execute("SELECT pg_current_xact_id()")
+    migrator.install(conn, schema)
+    broker.queue("jobs").channel("a").message.create(conn, b"first")
+    conn.commit()
+    conn.autocommit = True
+    res = broker.dequeue(conn, ["jobs"], limit=10, lock_ms=60_000, listen=False)
+    assert [bytes(m.content) for m in res.messages] == [b"first"]
+    invariants.assert_consistent(conn, schema)
+    [status] = broker.status(conn)
+    assert (status.counters.enqueued, status.counters.delivered) == (1, 1)
+
+
 def test_upgrade_from_version_4_keeps_every_message_and_the_running_workers(
     schema: str, connect: Callable[..., Conn]
 ) -> None:

@@ -165,11 +165,6 @@ CREATE TABLE {schema}.discovery (
     pend_id bigint[] NOT NULL DEFAULT '{{}}'
 );
 
--- (only when there is none: a repair of the schema must not claim what is not ingested)
-INSERT INTO {schema}.discovery (snap, folded)
-SELECT pg_current_snapshot(), pg_current_snapshot()
-WHERE NOT EXISTS (SELECT 1 FROM {schema}.discovery);
-
 -- A channel's lane: append-only versions, the one with the highest id per (queue, channel)
 -- is live (the others are deleted when superseded). turn_at: when it is the lane's turn
 -- (NULL: nothing to hand out, or at max_concurrency); served_at: when a dequeue last took
@@ -723,6 +718,14 @@ BEGIN
             ORDER BY x), ','))::pg_snapshot;
 END;
 $$;
+
+-- The ingest's first position (only when there is none: a repair of the schema must not claim
+-- what is not ingested), with the installing transaction among the running ones: what it
+-- creates after the install (inside a caller's transaction) is not taken as ingested, even
+-- when a later transaction committed meanwhile.
+INSERT INTO {schema}.discovery (snap, folded)
+SELECT {schema}.snapshot_v1(), {schema}.snapshot_v1()
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.discovery);
 
 -- Positions merged: per priority, the earlier of the old and the new (p_* are the new ones).
 CREATE FUNCTION {schema}.positions_merge_v1(

@@ -223,6 +223,57 @@ $$;
 -- 1,500 msgs/s). A matching lock token now suffices: the constraint below makes a token mean
 -- a lock, and the statements no longer name locked_until.
 
+-- (first the ingest's key, as an ingest takes it before it reads the messages: the
+-- constraint below locks the table)
+SELECT pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+
+-- Migration 5 took the ingest's first position with pg_current_snapshot(). When a transaction
+-- with a later xid committed during the upgrade (any busy database), that snapshot counted the
+-- upgrade's own transaction as visible, and so the messages it moved (of its txid) as
+-- ingested: no lane pointed at them, and they were never handed out. (A fresh install at
+-- version 5 inside a caller's transaction that then created messages, the same.) When a
+-- message of that transaction (the one that recorded version 5) still waits with no lane
+-- position before it, the transaction is put back among the running ones of the current
+-- position, so that the next ingest probes it and takes what it holds that still waits. Only
+-- then: an ingest counts what it takes as created (unless moved or requeued: arrival 1), so
+-- taking again what was taken would count it twice.
+WITH v5 AS (
+    SELECT CASE WHEN x.x > x.cur THEN x.x - 4294967296 ELSE x.x END AS xid
+    FROM (
+        SELECT (c.cur & ~4294967295::bigint) | m.xmin::text::bigint AS x, c.cur
+        FROM {schema}.migration m,
+             (SELECT pg_current_xact_id()::text::bigint AS cur) AS c
+        WHERE m.version = 5
+    ) AS x
+), cur AS (
+    SELECT * FROM {schema}.discovery o ORDER BY o.id DESC LIMIT 1
+)
+UPDATE {schema}.discovery d
+SET snap = (LEAST(pg_snapshot_xmin(d.snap)::text::bigint, v5.xid)::text || ':'
+            || pg_snapshot_xmax(d.snap)::text || ':'
+            || array_to_string(ARRAY(
+                   SELECT u.x FROM (
+                       SELECT pg_snapshot_xip(d.snap)::text::bigint AS x
+                       UNION SELECT v5.xid
+                   ) AS u ORDER BY u.x), ','))::pg_snapshot
+FROM v5, cur
+WHERE d.id = cur.id
+  AND pg_visible_in_snapshot(v5.xid::text::xid8, d.snap)
+  AND EXISTS (
+      SELECT 1 FROM {schema}.message m
+      WHERE m.txid = v5.xid::text::xid8 AND m.locked_until IS NULL
+        AND NOT EXISTS (
+            SELECT 1 FROM unnest(cur.pend_queue, cur.pend_channel) AS p(q, c)
+            WHERE p.q = m.queue AND p.c = m.channel)
+        AND NOT EXISTS (
+            SELECT 1 FROM (
+                SELECT l.* FROM {schema}.lane l
+                WHERE l.queue = m.queue AND l.channel = m.channel
+                ORDER BY l.id DESC LIMIT 1
+            ) AS l
+            CROSS JOIN LATERAL unnest(l.prios, l.pos_at, l.pos_id) AS p(prio, at, pid)
+            WHERE p.prio = m.priority AND (m.dequeue_at, m.id) >= (p.at, p.pid)));
+
 ALTER TABLE {schema}.message
     ADD CONSTRAINT message_lock_pair CHECK ((locked_until IS NULL) = (lock_token IS NULL));
 
