@@ -124,7 +124,10 @@ CREATE TABLE {schema}.message (
 CREATE INDEX message_ready_idx ON {schema}.message (queue, channel, priority DESC, dequeue_at, id)
     WHERE locked_until IS NULL;
 -- What became ready, by transaction: the ingest reads what committed since its snapshot.
-CREATE INDEX message_txid_idx ON {schema}.message (txid) WHERE locked_until IS NULL;
+-- (Its predicate names lock_token, message_ready_idx's locked_until: the same rows by
+-- message_lock_pair, but no statement written for one index can be planned on the other; a
+-- generic plan read this whole index, backlog and dead entries, for a lane's next position.)
+CREATE INDEX message_txid_idx ON {schema}.message (txid) WHERE lock_token IS NULL;
 -- Locked messages of a queue, by lock expiry. Read from the queue's lock position.
 CREATE INDEX message_locked_idx ON {schema}.message (queue, locked_until)
     WHERE locked_until IS NOT NULL;
@@ -808,7 +811,7 @@ BEGIN
             SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
             FROM {schema}.message m
             WHERE m.txid >= pg_snapshot_xmax(v_old.snap) AND m.txid < pg_snapshot_xmax(v_snap)
-              AND m.locked_until IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
+              AND m.lock_token IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
             UNION ALL
             -- (by the txid index, one probe per transaction: another partial index of the
             -- same predicate would be read whole, dead entries and all; OFFSET 0 keeps the
@@ -817,7 +820,7 @@ BEGIN
             FROM unnest(v_xip) AS x(txid)
             CROSS JOIN LATERAL (
                 SELECT m.* FROM {schema}.message m
-                WHERE m.txid = x.txid AND m.locked_until IS NULL
+                WHERE m.txid = x.txid AND m.lock_token IS NULL
                 OFFSET 0
             ) AS m
             UNION ALL
@@ -2370,12 +2373,12 @@ LANGUAGE sql STABLE AS $$
         UNION ALL
         SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
         FROM d, {schema}.message m
-        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.locked_until IS NULL AND m.arrival = 0
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL AND m.arrival = 0
           AND (p_queue IS NULL OR m.queue = p_queue)
         UNION ALL
         SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
         FROM d, {schema}.message m
-        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.locked_until IS NULL
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
           AND m.arrival = 0 AND (p_queue IS NULL OR m.queue = p_queue)
     ) AS p
     GROUP BY p.queue, p.channel
@@ -2400,11 +2403,11 @@ LANGUAGE sql STABLE AS $$
                       WHERE l2.queue = l.queue AND l2.channel = l.channel)
         UNION ALL
         SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
-        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.locked_until IS NULL
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL
           AND (p_queue IS NULL OR m.queue = p_queue)
         UNION ALL
         SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
-        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.locked_until IS NULL
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
           AND (p_queue IS NULL OR m.queue = p_queue)
     )
     SELECT w.queue, count(*) FILTER (WHERE w.dequeue_at <= clock_timestamp()),

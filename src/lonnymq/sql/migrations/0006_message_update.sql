@@ -318,6 +318,14 @@ ALTER TABLE {schema}.channel_count DROP CONSTRAINT channel_count_pkey;
 ALTER TABLE {schema}.channel_count ADD PRIMARY KEY (id);
 CREATE INDEX channel_count_latest_idx ON {schema}.channel_count (queue, channel, id DESC);
 
+-- The txid index's predicate names lock_token, the ready index's locked_until (the same rows,
+-- by message_lock_pair): a statement written for one can no longer be planned on the other.
+-- A lane's next position, planned generically on a small table, read the whole txid index
+-- (the ready backlog and every dead entry) and sorted it: 15,000 buffers per dequeue late in
+-- a held snapshot, the Kombu consumer of the churn benchmark falling behind its producer.
+DROP INDEX {schema}.message_txid_idx;
+CREATE INDEX message_txid_idx ON {schema}.message (txid) WHERE lock_token IS NULL;
+
 -- >>> fnsync
 CREATE OR REPLACE FUNCTION {schema}.ingest_v1(p_queues text[], p_wait boolean, p_fold boolean)
 RETURNS {schema}.discovery
@@ -369,7 +377,7 @@ BEGIN
             SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
             FROM {schema}.message m
             WHERE m.txid >= pg_snapshot_xmax(v_old.snap) AND m.txid < pg_snapshot_xmax(v_snap)
-              AND m.locked_until IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
+              AND m.lock_token IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
             UNION ALL
             -- (by the txid index, one probe per transaction: another partial index of the
             -- same predicate would be read whole, dead entries and all; OFFSET 0 keeps the
@@ -378,7 +386,7 @@ BEGIN
             FROM unnest(v_xip) AS x(txid)
             CROSS JOIN LATERAL (
                 SELECT m.* FROM {schema}.message m
-                WHERE m.txid = x.txid AND m.locked_until IS NULL
+                WHERE m.txid = x.txid AND m.lock_token IS NULL
                 OFFSET 0
             ) AS m
             UNION ALL
@@ -689,6 +697,78 @@ BEGIN
             purged = qc.purged + EXCLUDED.purged;
     END IF;
 END;
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.channel_totals_v1(p_queue text)
+RETURNS TABLE (
+    queue text, channel text, enqueued bigint, delivered bigint, redelivered bigint,
+    acked bigint, deferred bigint, dead bigint, dead_held bigint, expired bigint,
+    dropped bigint, removed bigint, removed_held bigint, purged bigint
+)
+LANGUAGE sql STABLE AS $$
+    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1)
+    SELECT p.queue, p.channel, sum(p.enqueued)::bigint, sum(p.delivered)::bigint,
+           sum(p.redelivered)::bigint, sum(p.acked)::bigint, sum(p.deferred)::bigint,
+           sum(p.dead)::bigint, sum(p.dead_held)::bigint, sum(p.expired)::bigint,
+           sum(p.dropped)::bigint, sum(p.removed)::bigint, sum(p.removed_held)::bigint,
+           sum(p.purged)::bigint
+    FROM (
+        SELECT cc.queue, cc.channel, cc.enqueued, cc.delivered, cc.redelivered, cc.acked,
+               cc.deferred, cc.dead, cc.dead_held, cc.expired, cc.dropped, cc.removed,
+               cc.removed_held, cc.purged
+        FROM {schema}.channel_count cc WHERE p_queue IS NULL OR cc.queue = p_queue
+        UNION ALL
+        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
+               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid >= pg_snapshot_xmax(d.folded) AND (p_queue IS NULL OR t.queue = p_queue)
+        UNION ALL
+        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
+               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.folded)))
+          AND (p_queue IS NULL OR t.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL AND m.arrival = 0
+          AND (p_queue IS NULL OR m.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
+          AND m.arrival = 0 AND (p_queue IS NULL OR m.queue = p_queue)
+    ) AS p
+    GROUP BY p.queue, p.channel
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.queue_waiting_v1(p_queue text)
+RETURNS TABLE (queue text, ready bigint, delayed bigint, oldest_ready_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1),
+    w AS (
+        SELECT m.queue, m.dequeue_at
+        FROM d, {schema}.lane l
+        CROSS JOIN LATERAL unnest(l.prios, l.pos_at, l.pos_id) AS p(prio, at, pid)
+        JOIN {schema}.message m ON m.queue = l.queue AND m.channel = l.channel
+             AND m.locked_until IS NULL AND m.priority = p.prio
+             AND (m.dequeue_at, m.id) >= (p.at, p.pid)
+        WHERE (p_queue IS NULL OR l.queue = p_queue) AND pg_visible_in_snapshot(m.txid, d.snap)
+          AND l.id = (SELECT max(l2.id) FROM {schema}.lane l2
+                      WHERE l2.queue = l.queue AND l2.channel = l.channel)
+        UNION ALL
+        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL
+          AND (p_queue IS NULL OR m.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
+          AND (p_queue IS NULL OR m.queue = p_queue)
+    )
+    SELECT w.queue, count(*) FILTER (WHERE w.dequeue_at <= clock_timestamp()),
+           count(*) FILTER (WHERE w.dequeue_at > clock_timestamp()),
+           min(w.dequeue_at) FILTER (WHERE w.dequeue_at <= clock_timestamp())
+    FROM w GROUP BY w.queue
 $$;
 
 CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v3(
