@@ -326,7 +326,7 @@ CREATE INDEX channel_count_latest_idx ON {schema}.channel_count (queue, channel,
 DROP INDEX {schema}.message_txid_idx;
 CREATE INDEX message_txid_idx ON {schema}.message (txid) WHERE lock_token IS NULL;
 
--- >>> fnsync
+-- The functions this section changes, as schema.sql defines them:
 CREATE OR REPLACE FUNCTION {schema}.ingest_v1(p_queues text[], p_wait boolean, p_fold boolean)
 RETURNS {schema}.discovery
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
@@ -1556,4 +1556,3 @@ $$;
 -- (CREATE OR REPLACE reset what the definition does not say)
 ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
--- <<< fnsync
