@@ -1,0 +1,239 @@
+"""The layout of ``src/lonnymq`` holds: no import cycle among its modules, the layers import one
+way only (Celery/Kombu -> transport -> queue API -> SQL; the command line beside the
+transport), and no module is over 500 lines.
+
+The graph is read from the source files with :mod:`ast` (nothing is imported), so it is the
+graph of the tree next to this file. Every ``import`` and ``from ... import`` statement counts,
+wherever it is: at module level, under ``if TYPE_CHECKING:``, and inside functions. A deferred
+import is still a dependency (of the type checker's view, or of the call that runs it), and
+hiding one inside a function to get round a circle is a circle all the same.
+
+Run it to see the graph and the sizes::
+
+    python tests/test_layout.py
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "lonnymq"
+ROOT = Path(__file__).resolve().parent.parent / "src" / PACKAGE
+MAX_LINES = 500
+#: Modules not counted against MAX_LINES: the SQL package holds the schema and migrations.
+SKIP = ("sql",)
+#: Modules over MAX_LINES for now, each with why. An entry whose module shrank below the limit
+#: (or went away) fails the test, so that the list only ever gets shorter.
+OVER_LIMIT: dict[str, str] = {
+    "lonnymq.queue.broker": "the queue API's half of issue 17 (queue/ is restructured apart)",
+}
+#: Which layers may not import which: (importer prefix, imported prefix).
+FORBIDDEN = (
+    ("lonnymq.queue", "lonnymq.transport"),
+    ("lonnymq.queue", "lonnymq.cli"),
+    ("lonnymq.queue", "lonnymq.celery"),
+    ("lonnymq.transport", "lonnymq.cli"),
+    ("lonnymq.transport", "lonnymq.celery"),
+    ("lonnymq.cli", "lonnymq.transport"),
+)
+
+
+@dataclass(frozen=True)
+class Edge:
+    target: str
+    line: int
+    #: "module" (a module-level import), "typing" (under ``if TYPE_CHECKING``), or
+    #: "function" (inside a function or method)
+    where: str
+
+
+def module_files(root: Path = ROOT) -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by the name of its __init__)."""
+    out: dict[str, Path] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.Module) -> list[tuple[ast.Import | ast.ImportFrom, str]]:
+    """The import statements of a module, each with where it is (see :class:`Edge`)."""
+    found: list[tuple[ast.Import | ast.ImportFrom, str]] = []
+
+    def visit(nodes: Iterable[ast.AST], where: str) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append((node, where))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(ast.iter_child_nodes(node), "function")
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.body, "typing")
+                visit(node.orelse, where)
+            else:
+                visit(ast.iter_child_nodes(node), where)
+
+    visit(tree.body, "module")
+    return found
+
+
+def _targets(
+    node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]
+) -> list[str]:
+    """The modules of the package a statement imports (the deepest one that exists: ``from
+    .queue import dequeue`` is ``lonnymq.queue.dequeue``, ``from .queue import Broker`` is
+    ``lonnymq.queue``)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            parts = module.split(".")
+            base = parts if is_package else parts[:-1]
+            base = base[: len(base) - (node.level - 1)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        names = [f"{prefix}.{alias.name}" for alias in node.names] or [prefix]
+        names = [name if name in known else prefix for name in names]
+    out = []
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name.split(".")[0] == PACKAGE:
+            out.append(name)
+    return list(dict.fromkeys(out))
+
+
+def import_graph(root: Path = ROOT) -> dict[str, list[Edge]]:
+    """module -> the modules of the package it imports (with where), read from the source."""
+    files = module_files(root)
+    known = set(files)
+    graph: dict[str, list[Edge]] = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        edges: dict[str, Edge] = {}
+        for node, where in _imports(tree):
+            for target in _targets(node, module, path.name == "__init__.py", known):
+                if target != module and target not in edges:
+                    edges[target] = Edge(target, node.lineno, where)
+        graph[module] = sorted(edges.values(), key=lambda e: e.target)
+    return graph
+
+
+def cycles(graph: dict[str, list[Edge]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing
+    itself), each sorted: every import cycle is inside one of them (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for edge in graph.get(node, []):
+            if edge.target not in index:
+                connect(edge.target)
+                low[node] = min(low[node], low[edge.target])
+            elif edge.target in on_stack:
+                low[node] = min(low[node], index[edge.target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return found
+
+
+def line_counts(root: Path = ROOT) -> dict[str, int]:
+    """Lines of every module of the package but those under :data:`SKIP`."""
+    out = {}
+    for module, path in module_files(root).items():
+        parts = module.split(".")
+        if len(parts) > 1 and parts[1] in SKIP:
+            continue
+        out[module] = len(path.read_text(encoding="utf-8").splitlines())
+    return out
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph()
+    assert "lonnymq.transport" in graph and "lonnymq.cli" in graph  # the walk found the tree
+    found = cycles(graph)
+    detail = [
+        f"{m} -> {e.target} (line {e.line}, {e.where})"
+        for component in found
+        for m in component
+        for e in graph[m]
+        if e.target in component
+    ]
+    assert not found, "import cycles:\n" + "\n".join(detail)
+
+
+def test_layers_import_one_way() -> None:
+    graph = import_graph()
+    wrong = [
+        f"{module} -> {edge.target} (line {edge.line}, {edge.where})"
+        for module, edges in graph.items()
+        for edge in edges
+        for importer, imported in FORBIDDEN
+        if _within(module, importer) and _within(edge.target, imported)
+    ]
+    assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_module_over_500_lines() -> None:
+    counts = line_counts()
+    over = {m: n for m, n in counts.items() if n > MAX_LINES and m not in OVER_LIMIT}
+    assert not over, f"modules over {MAX_LINES} lines: {over}"
+    stale = {m: counts.get(m) for m in OVER_LIMIT if counts.get(m, 0) <= MAX_LINES}
+    assert not stale, f"no longer over {MAX_LINES} lines (take them off OVER_LIMIT): {stale}"
+
+
+def main() -> int:
+    """Print the graph (module -> the package's modules it imports) and the line counts."""
+    graph = import_graph()
+    counts = line_counts()
+    marks = {"module": "", "typing": " (TYPE_CHECKING)", "function": " (in a function)"}
+    for module, edges in graph.items():
+        size = f"{counts[module]} lines" if module in counts else "not counted"
+        print(f"{module}  [{size}]")
+        for edge in edges:
+            print(f"    -> {edge.target}{marks[edge.where]}")
+    found = cycles(graph)
+    print()
+    groups = "; ".join(", ".join(component) for component in found)
+    print(f"modules in an import cycle: {groups or 'none'}")
+    over = ", ".join(f"{m} ({n})" for m, n in counts.items() if n > MAX_LINES)
+    print(f"modules over {MAX_LINES} lines: {over or 'none'}")
+    return 1 if found else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
