@@ -605,7 +605,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", [case.param() for case in CASES])
 def test_bad_input(ctx: Ctx, case: Case) -> None:
-    from lonnymq._pg import _INSTALLED
+    from lonnymq.transport.connection import _INSTALLED
 
     _INSTALLED.clear()  # each case sees the schema as it is now, not as an earlier case saw it
     if case.setup is not None:

@@ -1,8 +1,8 @@
 # mypy: allow-untyped-calls
 # (kombu is untyped)
 """Structured log events of the transport (the ``lonnymq.events`` logger, see
-``lonnymq._events``) and their JSON rendering (``lonnymq.logs.JsonFormatter``), in one process
-through kombu: no worker needed.
+``lonnymq.transport.events``) and their JSON rendering (``lonnymq.logs.JsonFormatter``), in one
+process through kombu: no worker needed.
 
 Each event is a log record whose fields are attributes: ``event``, ``message_id``, ``queue``,
 ``channel`` and, where they apply, ``attempts`` and ``reason``. DEBUG for the steady flow

@@ -475,7 +475,7 @@ def test_a_live_consumer_keeps_its_expiring_queue(
 def test_clients_do_not_all_sweep(pg_dsn: str, schema: str, broker: lonnymq.Broker) -> None:
     """A sweep is skipped when another client swept the schema less than ``interval`` ago,
     or is sweeping now."""
-    from lonnymq._sweep import Sweeper
+    from lonnymq.transport.sweep import Sweeper
 
     with (
         psycopg.connect(pg_dsn, autocommit=True) as a,

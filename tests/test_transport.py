@@ -769,7 +769,7 @@ def test_consumer_commit_async_is_transaction_local(
 
 
 # --------------------------------------------------------------------------------------------
-# Acks sent with the next dequeue (lonnymq._acks)
+# Acks sent with the next dequeue (lonnymq.transport.acks)
 
 
 def _count(conn: Conn, schema: str, queue: str) -> int:
@@ -932,9 +932,9 @@ def test_ack_offered_before_a_blocking_callback_is_handed_back(
     """An ack from another thread that the consumer has not taken when it goes into a
     callback goes back to the acking thread at once: the callback may be waiting for it
     (Celery's prefork pool blocks for a free process, freed by such an ack)."""
-    import lonnymq._acks
+    import lonnymq.transport.acks
 
-    monkeypatch.setattr(lonnymq._acks, "HANDOFF_SECONDS", 30.0)  # only the hand-back helps
+    monkeypatch.setattr(lonnymq.transport.acks, "HANDOFF_SECONDS", 30.0)  # only the hand-back helps
     connection = make_connection(polling_interval=30)
     queue = Queue("handback")
     producer = connection.Producer()

@@ -37,10 +37,10 @@ from kombu.serialization import dumps as serialize
 from kombu.utils.json import dumps as to_json
 
 from . import celery_steps as _celery_steps  # noqa: F401  mingle and gossip on lonnymq workers
-from ._headers import delay_ms, make_eta_aware
 from .migrator import DEFAULT_SCHEMA
 from .queue._ops import arun
 from .queue.routing import publish_op
+from .transport.headers import delay_ms, make_eta_aware
 
 _APPS: weakref.WeakSet[Celery] = weakref.WeakSet()
 _SIGNATURES: dict[Any, inspect.Signature] = {}

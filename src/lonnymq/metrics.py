@@ -13,7 +13,8 @@ delayed, in_flight, dead), ``lonnymq_queue_oldest_ready_age_seconds``,
 ``lonnymq_queue_channels``; counters ``lonnymq_queue_<event>_total`` for enqueued, delivered,
 redelivered, acked, deferred, dead_lettered, expired and dropped (refused by a full channel).
 Plus ``lonnymq_up`` and ``lonnymq_scrape_duration_seconds``. Worker-side metrics (dequeue
-latency histogram, per-process counters) come from the transport: see :mod:`lonnymq._events`.
+latency histogram, per-process counters) come from the transport: see
+:mod:`lonnymq.transport.events`.
 
 Needs ``prometheus_client`` (``pip install 'lonnymq[metrics]'``).
 """
@@ -29,9 +30,9 @@ from typing import Any
 
 import psycopg
 
-from ._url import mask_password
 from .exceptions import ConfigurationError, LonnyMQError
 from .queue import Broker, HorizonHolder, QueueStatus
+from .transport.url import mask_password
 
 try:
     from prometheus_client import CollectorRegistry, start_http_server

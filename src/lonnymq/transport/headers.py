@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone, tzinfo
 from typing import Any
 
-from .exceptions import InvalidArgument
+from ..exceptions import InvalidArgument
 
 
 def int_arg(arguments: dict[str, Any], key: str) -> int | None:

@@ -1,55 +1,4 @@
-"""Kombu transport for lonnymq: a message queue in PostgreSQL.
-
-URL: ``lonnymq://USER:PASSWORD@HOST:PORT/DBNAME[?LIBPQ_PARAMETERS]`` after ``import lonnymq``
-(which registers the alias), or ``transport="lonnymq.transport:Transport"`` /
-Celery's ``broker_transport``. The query string takes libpq parameters (``sslmode``,
-``connect_timeout``, ``target_session_attrs``, several ``HOST:PORT`` pairs separated by commas).
-
-Features
-- Exchanges (direct, topic, fanout), queues and bindings are stored in Postgres: every process
-  routes alike, and a publish is routed inside Postgres in one round trip.
-- Tenant channels: a message goes to the channel named by its ``x-channel`` header, else by its
-  routing key. Channels of a queue are served round-robin with per-channel ``max_concurrency``
-  and ``max_size`` policies (see :class:`lonnymq.Queue`). A full channel raises
-  :class:`lonnymq.ChannelFull` at publish.
-- ``x-dedup-name`` header: while a message of that name, in that queue and channel, was never
-  delivered, publishing another is a no-op.
-- Delays stay in Postgres: Celery's ``eta`` header (``countdown``/``eta``) or an ``x-delay-ms``
-  header keep the message invisible to consumers until due. Priority: the ``priority``
-  property (0-255, higher first, within a channel). Expiry: the ``expiration`` property and the
-  ``x-message-ttl`` / ``x-expires`` queue arguments; kombu's ``Queue(expires=, message_ttl=,
-  max_length=, max_priority=)`` map onto them as on amqp (``x-max-length``: the queue's default
-  ``max_size``; arguments lonnymq cannot honour are refused). Every client of the schema sweeps
-  what expired, at most every ``expire_interval`` (see ``_sweep``).
-- Delivery: a consumer dequeues up to its free prefetch window across its queues in one round
-  trip and locks the messages for ``visibility_timeout``; ack deletes; reject with requeue and
-  the restore of unacked messages at shutdown unlock the same row; reject without requeue
-  moves it to the queue's dead letters (``lonnymq messages list --state dead``), and so does
-  a message delivered ``max_attempts`` times (default 20) whose consumers died. No-ack
-  consumers delete on delivery. A live consumer extends the locks of every
-  message it holds (prefetched or running) from a background thread; a dead consumer's
-  messages come back after ``visibility_timeout``.
-- Idle consumers wait on LISTEN/NOTIFY, and wake for delayed messages and expiring locks by
-  timer; ``polling_interval`` is only a safety net.
-- Asynchronous: a Celery worker runs the consumer in its event loop (``register_with_event_
-  loop``; the prefork pool is then Celery's asynchronous pool), as with RabbitMQ and Redis;
-  ``event_loop=False`` makes Celery use its blocking loop (``drain_events``) instead.
-
-Connections per process: 1 for a producer; 2 for a consumer (commands, and LISTEN), and a
-third when other threads ack while it drains (Celery's pools).
-
-Transport options (``transport_options`` / Celery ``broker_transport_options``):
-``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
-(visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
-``event_loop`` (True: a Celery worker runs the consumer in its event loop),
-``refill_delay`` (0.005 s), ``batch_size`` (100), ``auto_install`` (True),
-``max_message_bytes`` (8 MiB),
-``expire_interval`` (10 s), ``consumer_commit`` (``"async"``), ``connect_timeout``,
-``policies`` (channel policies and queue settings declared in configuration, applied when a
-process first connects), ``metrics_port`` (serve the consuming process's Prometheus metrics).
-Log events: the ``lonnymq.events`` logger (see :mod:`lonnymq.logs`).
-See :class:`lonnymq._options.Options` and ``docs/transport.md``. Unknown options are errors.
-"""
+"""The kombu Transport on lonnymq (its spec is the docstring of :mod:`lonnymq.transport`)."""
 
 from __future__ import annotations
 
@@ -71,25 +20,18 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 from kombu.utils.json import dumps, loads
 
-from . import _events, _headers, _url
-from ._acks import Ack, AckBuffer
-from ._heartbeat import Heartbeat
-from ._loop import LoopConsumer
-from ._options import Options
-from ._pg import PgClient, Waiter
-from ._sweep import Sweeper, sweeper_for
-from .enqueue import current_connection
-from .exceptions import ChannelFull, ConfigurationError, ConnectionLost, LonnyMQError
-from .migrator import wake_channel
-from .queue import Broker, Outcome
-from .queue import Message as QueueMessage
-from .queue._ops import Op, async_commit, run
-from .queue.admin import delete_queue_op, purge_op, stats_op
-from .queue.dequeue import DequeueResult, dequeue_op
-from .queue.finalize import defer_op, delete_op
-from .queue.operate import configure_op, reject_op, settings_op
-from .queue.policy import queue_get_op, queue_set_op
-from .queue.routing import (
+from ..enqueue import current_connection
+from ..exceptions import ChannelFull, ConfigurationError, ConnectionLost, LonnyMQError
+from ..migrator import wake_channel
+from ..queue import Broker, Outcome
+from ..queue import Message as QueueMessage
+from ..queue._ops import Op, async_commit, run
+from ..queue.admin import delete_queue_op, purge_op, stats_op
+from ..queue.dequeue import DequeueResult, dequeue_op
+from ..queue.finalize import defer_op, delete_op
+from ..queue.operate import configure_op, reject_op, settings_op
+from ..queue.policy import queue_get_op, queue_set_op
+from ..queue.routing import (
     all_bindings_op,
     bind_op,
     bindings_op,
@@ -103,6 +45,15 @@ from .queue.routing import (
     topic_pattern,
     unbind_op,
 )
+from . import events as _events
+from . import headers as _headers
+from . import url as _url
+from .acks import Ack, AckBuffer
+from .connection import PgClient, Waiter
+from .heartbeat import Heartbeat
+from .loop import LoopConsumer
+from .options import Options
+from .sweep import Sweeper, sweeper_for
 
 logger = logging.getLogger("lonnymq.transport")
 _APPLIED: set[tuple[int, str, str, str]] = set()
@@ -178,7 +129,7 @@ class QoS(virtual.QoS):
     def _settle(self, delivery_tag: str, *, requeue: bool, why: str) -> None:
         """Delete or release the row, and free the prefetch slot even if that fails (the
         message then comes back when its lock expires). A delete may be handed to the
-        thread draining events, which sends it with its next dequeue (see ``_acks``)."""
+        thread draining events, which sends it with its next dequeue (see :mod:`.acks`)."""
         ref, where = self._release_where(delivery_tag)
         full = self._window_full()
         transport = self.channel.connection
@@ -768,7 +719,7 @@ class Transport(virtual.Transport):
     @property
     def side_pg(self) -> PgClient:
         """A second command connection, opened on first use: for the acks that threads other
-        than the consumer's send themselves while the consumer drains (see ``_acks``)."""
+        than the consumer's send themselves while the consumer drains (see :mod:`.acks`)."""
         if self._side_pg is None:
             self._side_pg = PgClient(
                 self.conninfo,
@@ -903,7 +854,7 @@ class Transport(virtual.Transport):
 
     def sweep(self, *, background: bool = False) -> None:
         """Sweep what expired in the schema when this process is due to (every
-        ``expire_interval``; see ``_sweep``): from a consumer's background thread, or from a
+        ``expire_interval``; see :mod:`.sweep`): from a consumer's background thread, or from a
         producer on its way back from a publish (then at most 1,000 messages, and at most
         0.2 s of waiting for locks)."""
         sweeper = self.sweeper
@@ -1011,7 +962,7 @@ class Transport(virtual.Transport):
                 wait = min(wait, left)
             self._wait(wait, queues)
 
-    # -- Celery's event loop (see _loop) -------------------------------------------------------
+    # -- Celery's event loop (see .loop) -------------------------------------------------------
 
     def register_with_event_loop(self, connection: Any, loop: Any) -> None:
         if not self.implements.asynchronous:

@@ -40,11 +40,12 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from . import _term, migrator, roles
-from ._url import mask_password
-from .exceptions import InvalidArgument, LonnyMQError
-from .queue import Broker, QueueExpiry, QueueStatus
-from .queue.operate import STATES, MessageDetail, MessageInfo, state_arg
+from .. import migrator, roles
+from ..exceptions import InvalidArgument, LonnyMQError
+from ..queue import Broker, QueueExpiry, QueueStatus
+from ..queue.operate import STATES, MessageDetail, MessageInfo, state_arg
+from ..transport.url import mask_password
+from . import term as _term
 
 # -- plumbing --------------------------------------------------------------------------------
 
@@ -1012,7 +1013,7 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from . import metrics
+    from .. import metrics
 
     dsn = _dsn(args)
     try:

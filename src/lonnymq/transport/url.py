@@ -22,7 +22,7 @@ from urllib.parse import quote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from .exceptions import ConfigurationError
+from ..exceptions import ConfigurationError
 
 SCHEMES = ("lonnymq", "postgresql", "postgres")
 _PASSWORD_IN_URL = re.compile(r"^([a-z0-9+.-]+://[^:/@?#]*:)([^@/?#]*)(@)", re.IGNORECASE)

@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import LonnyMQError
-from .queue.dequeue import DequeueResult
+from ..exceptions import LonnyMQError
+from ..queue.dequeue import DequeueResult
 
 if TYPE_CHECKING:
     from .transport import Channel, Transport

@@ -1,7 +1,7 @@
 """The consumer's background thread: extends the locks of every message the process holds
 (every ``heartbeat_interval``), marks its expiring queues used (often enough for their
 ``x-expires``), sweeps expired messages and queues and prunes old dead letters (every
-``expire_interval``, see :mod:`lonnymq._sweep`)."""
+``expire_interval``, see :mod:`lonnymq.transport.sweep`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from .queue.finalize import heartbeat_op
-from .queue.routing import touch_op
+from ..queue.finalize import heartbeat_op
+from ..queue.routing import touch_op
 
 if TYPE_CHECKING:
     from .transport import Transport

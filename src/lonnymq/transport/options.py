@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from . import migrator
-from .exceptions import ConfigurationError
-from .queue._checks import DEFAULT_MAX_MESSAGE_BYTES
+from .. import migrator
+from ..exceptions import ConfigurationError
+from ..queue._checks import DEFAULT_MAX_MESSAGE_BYTES
 
 # Options kombu itself reads, or writes into transport_options (Producer.publish with
 # retry=True merges its retry_policy, the keywords of Connection.ensure, into them): accepted

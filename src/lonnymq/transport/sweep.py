@@ -31,10 +31,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .exceptions import LonnyMQError
-from .queue._ops import run
-from .queue.operate import housekeep_op
-from .queue.routing import expire_op
+from ..exceptions import LonnyMQError
+from ..queue._ops import run
+from ..queue.operate import housekeep_op
+from ..queue.routing import expire_op
 
 logger = logging.getLogger("lonnymq.transport")
 

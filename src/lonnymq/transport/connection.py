@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
-from . import migrator
-from ._url import mask_password
-from .exceptions import ConnectionLost, SchemaNotInstalled
-from .queue._ops import Op, run, translate
+from .. import migrator
+from ..exceptions import ConnectionLost, SchemaNotInstalled
+from ..queue._ops import Op, run, translate
+from .url import mask_password
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
