@@ -30,9 +30,9 @@ from typing import Any
 
 import psycopg
 
+from .dsn import mask_password
 from .exceptions import ConfigurationError, LonnyMQError
 from .queue import Broker, HorizonHolder, QueueStatus
-from .transport.url import mask_password
 
 try:
     from prometheus_client import CollectorRegistry, start_http_server

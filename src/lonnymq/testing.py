@@ -196,7 +196,7 @@ class TempPostgres:
 def where(dsn: str, env: str = "DATABASE_URL") -> str:
     """Where :func:`database` found its Postgres, for a program to print: ``$env`` or a
     throwaway server (password masked)."""
-    from .transport.url import mask_password
+    from .dsn import mask_password
 
     if os.environ.get(env) == dsn:
         return f"Postgres: {mask_password(dsn)} (from ${env})"

@@ -41,10 +41,10 @@ from typing import Any, NoReturn
 import psycopg
 
 from .. import migrator, roles
+from ..dsn import mask_password
 from ..exceptions import InvalidArgument, LonnyMQError
 from ..queue import Broker, QueueExpiry, QueueStatus
 from ..queue.operate import STATES, MessageDetail, MessageInfo, state_arg
-from ..transport.url import mask_password
 from . import term as _term
 
 # -- plumbing --------------------------------------------------------------------------------

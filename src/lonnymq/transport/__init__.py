@@ -54,6 +54,8 @@ errors.
 
 from __future__ import annotations
 
-from .transport import Channel, QoS, Transport
+from .channel import Channel
+from .qos import QoS
+from .transport import Transport
 
 __all__ = ["Channel", "QoS", "Transport"]

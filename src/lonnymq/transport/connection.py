@@ -26,9 +26,9 @@ import psycopg
 from psycopg import sql
 
 from .. import migrator
+from ..dsn import mask_password
 from ..exceptions import ConnectionLost, SchemaNotInstalled
 from ..queue._ops import Op, run, translate
-from .url import mask_password
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")

@@ -9,24 +9,20 @@ import logging
 import os
 import threading
 import time
-import uuid
-from typing import TYPE_CHECKING
 
 from ..queue.finalize import heartbeat_op
 from ..queue.routing import touch_op
-
-if TYPE_CHECKING:
-    from .transport import Transport
+from .acks import Held
+from .interfaces import TransportLike
 
 logger = logging.getLogger("lonnymq.transport")
-Held = tuple[int, uuid.UUID]
 
 
 class Heartbeat(threading.Thread):
     """Extends the locks of every message the process holds; touches expiring queues;
     sweeps expired messages and queues, with the other clients of the schema."""
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(self, transport: TransportLike) -> None:
         super().__init__(name="lonnymq-heartbeat", daemon=True)
         self.transport = transport
         self.stopped = threading.Event()

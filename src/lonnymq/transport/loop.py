@@ -24,27 +24,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult
-
-if TYPE_CHECKING:
-    from .transport import Channel, Transport
+from .interfaces import ChannelLike, TransportLike
 
 logger = logging.getLogger("lonnymq.transport")
 
 #: A planned fetch: (kombu channel, queues, limit).
-Job = tuple["Channel", list[str], int]
+Job = tuple[ChannelLike, list[str], int]
 #: What came back: the results of the fetches done, and the error that stopped the rest.
-Outcome = tuple[list[tuple["Channel", DequeueResult]], BaseException | None]
+Outcome = tuple[list[tuple[ChannelLike, DequeueResult]], BaseException | None]
 
 
 class Fetcher(threading.Thread):
     """Runs one batch of fetches at a time off the loop's thread; ``done`` is called (from
     this thread) when a batch is back."""
 
-    def __init__(self, transport: Transport, done: Callable[[], None]) -> None:
+    def __init__(self, transport: TransportLike, done: Callable[[], None]) -> None:
         super().__init__(name="lonnymq-fetch", daemon=True)
         self.transport = transport
         self.done = done
@@ -98,7 +96,7 @@ class Fetcher(threading.Thread):
                 if self._jobs is None:
                     return
                 jobs, self._jobs = self._jobs, None
-            results: list[tuple[Channel, DequeueResult]] = []
+            results: list[tuple[ChannelLike, DequeueResult]] = []
             error: BaseException | None = None
             try:
                 if not jobs:
@@ -116,7 +114,7 @@ class Fetcher(threading.Thread):
 class LoopConsumer:
     """The consumer of ``transport`` in the event loop ``loop`` (see the module docstring)."""
 
-    def __init__(self, transport: Transport, loop: Any) -> None:
+    def __init__(self, transport: TransportLike, loop: Any) -> None:
         self.transport = transport
         self.loop = loop
         self.waiter = transport.waiter
@@ -168,7 +166,7 @@ class LoopConsumer:
             except LonnyMQError as exc:  # not lost: their locks expire and they come back
                 logger.warning("lonnymq: could not send acks when leaving the event loop: %s", exc)
 
-    def _release(self, results: list[tuple[Channel, DequeueResult]]) -> None:
+    def _release(self, results: list[tuple[ChannelLike, DequeueResult]]) -> None:
         """Unlock messages fetched and not delivered (else they come back when their lock
         expires)."""
         held = [(m.id, m.lock_token) for _, result in results for m in result.messages]

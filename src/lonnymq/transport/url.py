@@ -14,7 +14,6 @@ libpq parameter in the query is a ``TypeError`` to it, several ``HOST:PORT`` pai
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -22,22 +21,10 @@ from urllib.parse import quote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from ..dsn import PASSWORD_IN_URL, mask_password
 from ..exceptions import ConfigurationError
 
 SCHEMES = ("lonnymq", "postgresql", "postgres")
-_PASSWORD_IN_URL = re.compile(r"^([a-z0-9+.-]+://[^:/@?#]*:)([^@/?#]*)(@)", re.IGNORECASE)
-# password and sslpassword (the passphrase of the client key), in a URL query or key=value
-_PASSWORD_IN_QUERY = re.compile(r"([?&](?:ssl)?password=)([^&#]*)", re.IGNORECASE)
-_PASSWORD_IN_KV = re.compile(
-    r"((?<![?&\w])(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)", re.IGNORECASE
-)
-
-
-def mask_password(text: str, mask: str = "**") -> str:
-    """``text`` (a URL or a libpq key=value string) with any password replaced by ``mask``."""
-    text = _PASSWORD_IN_URL.sub(lambda m: m[1] + mask + m[3], text)
-    text = _PASSWORD_IN_QUERY.sub(lambda m: m[1] + mask, text)
-    return _PASSWORD_IN_KV.sub(lambda m: m[1] + mask, text)
 
 
 def to_conninfo(url: str) -> str:
@@ -214,7 +201,7 @@ def split(url: str) -> Fields:
 
 def _without_password(url: str) -> str:
     """``url`` with no password, in its user info or its query (where ``sslpassword`` stays)."""
-    url = _PASSWORD_IN_URL.sub(lambda m: m[1][:-1] + m[3], url)
+    url = PASSWORD_IN_URL.sub(lambda m: m[1][:-1] + m[3], url)
     if "?" not in url:
         return url
     base, query = url.split("?", 1)
@@ -270,3 +257,56 @@ def from_client(client: Any, include_password: bool, mask: str) -> str:
     vhost = client.virtual_host
     path = "/" + quote(str(vhost), safe="") if vhost not in (None, "", "/") else ""
     return f"lonnymq://{netloc}{path}"
+
+
+def adopt_url(client: Any) -> None:
+    """Fill the kombu Connection's fields from its URL (kombu leaves the whole URL in
+    ``hostname``, since the transport parses its own URLs): ``hostname``, ``port``, ``userid``,
+    ``password``, ``virtual_host`` (the database) and ``connect_timeout``, as kombu does for
+    amqp and redis, so ``Connection.info()`` (Celery's ``inspect stats``, Flower) shows them, and
+    never the password. A URL with more than those (libpq parameters, several hosts) stays in
+    ``hostname``, without its password, so that ``Connection.clone()`` keeps it whole."""
+    hostname = client.hostname
+    if not isinstance(hostname, str) or "://" not in hostname:
+        return
+    fields = split(hostname)
+    client.hostname = fields.hostname
+    client.port = fields.port or client.port
+    client.userid = fields.userid or client.userid
+    client.password = fields.password or client.password
+    if fields.virtual_host:
+        client.virtual_host = fields.virtual_host
+    if fields.connect_timeout is not None:
+        client.connect_timeout = fields.connect_timeout
+
+
+def client_connect_timeout(client: Any) -> float | None:
+    """kombu's ``connect_timeout``, a number even when kombu took it, as text, from a URL it
+    parsed (an alternate it failed over to): then it is made a number for kombu too."""
+    value = getattr(client, "connect_timeout", None)
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigurationError(
+                f"invalid connect_timeout {value!r} in the broker URL: expected seconds"
+            ) from None
+        client.connect_timeout = value
+    return value
+
+
+def client_conninfo(client: Any) -> str:
+    """The libpq connection string of a kombu Connection: from its URL, or from its fields
+    (host, port, user, password, and the virtual host as the database)."""
+    hostname = client.hostname or "localhost"
+    if "://" in hostname:
+        password = client.password() if callable(client.password) else client.password
+        return with_password(to_conninfo(hostname), password)
+    vhost = client.virtual_host
+    return from_fields(
+        hostname,
+        client.port,
+        client.userid,
+        client.password() if callable(client.password) else client.password,
+        None if vhost in (None, "", "/") else vhost,
+    )

@@ -1,0 +1,371 @@
+"""The kombu channel of the transport: publishing, and consuming (fetch, deliver, settle).
+Its declarations (exchanges, queues, bindings) are in :mod:`.topology`, its prefetch window
+and held locks in :mod:`.qos`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from queue import Empty
+from typing import Any
+
+from kombu.utils.json import dumps, loads
+
+from ..enqueue import current_connection
+from ..exceptions import ChannelFull, LonnyMQError
+from ..queue import Message as QueueMessage
+from ..queue import Outcome
+from ..queue._ops import Op, run
+from ..queue.dequeue import DequeueResult, dequeue_op
+from ..queue.finalize import defer_op, delete_op
+from ..queue.operate import reject_op, settings_op
+from ..queue.routing import delete_many_op, publish_op
+from . import events
+from .acks import Held
+from .headers import delay_ms, expiration_ms, make_eta_aware, priority, str_or_none
+from .interfaces import TransportLike, Where
+from .qos import QoS
+from .topology import TopologyChannel
+
+logger = logging.getLogger("lonnymq.transport")
+
+
+class Channel(TopologyChannel):
+    """A kombu (AMQP-style) channel on lonnymq. Not to be confused with lonnymq's tenant
+    channels, called *lanes* in this module."""
+
+    QoS = QoS
+    supports_fanout = True
+    connection: TransportLike
+
+    def __init__(self, connection: TransportLike, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._no_ack_queues: set[str] = set()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _consume(self, op: Op[Any], *, beside: bool = False) -> Any:
+        """Run a dequeue, ack, reject or release: with ``consumer_commit="async"`` it does not
+        wait for the WAL flush (losing it in a database crash only means a redelivery).
+        ``beside``: on the side connection (see ``Transport.side_pg``)."""
+        client = self.connection.side_pg if beside else self.connection.pg
+        return client.run(self.connection.consumer_op(op))
+
+    def _finalize(
+        self,
+        ref: Held,
+        *,
+        requeue: bool,
+        why: str,
+        where: Where | None = None,
+        beside: bool = False,
+    ) -> None:
+        """Ack (delete), requeue (defer in place) or, for a reject without requeue, move the
+        message to the dead letters. ``beside``: sent by another thread while the consumer
+        drains (a Celery pool thread), on a connection of its own, so that the consumer's
+        next fetch does not wait for this round trip."""
+        schema = self.options.schema
+        if requeue:
+            op = defer_op(schema, ref[0], ref[1], delay_ms=None)
+        elif why == "ack":
+            op = delete_op(schema, ref[0], ref[1])
+        else:
+            op = reject_op(schema, ref[0], ref[1], reason="rejected")
+        outcome = self._consume(op, beside=beside)
+        if outcome is Outcome.OK and not requeue and why != "ack":
+            queue, lane, attempts = where if where is not None else (None, None, None)
+            kept = queue is None or self._keeps_dead_letters(queue)
+            events.dead_lettered(ref[0], queue, lane, "rejected", attempts, kept=kept)
+        if outcome is not Outcome.OK:
+            logger.warning(
+                "lonnymq: %s of message %d ignored: %s (its lock expired and it was "
+                "delivered again, or it is gone)",
+                why,
+                ref[0],
+                outcome.value,
+            )
+
+    # -- publish ----------------------------------------------------------------------------
+
+    def basic_publish(
+        self, message: dict[str, Any], exchange: str, routing_key: str, **kw: Any
+    ) -> None:
+        self._inplace_augment_message(message, exchange, routing_key)
+        self._publish(message, exchange or "", routing_key or "")
+
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        self._publish(message, "", queue)
+
+    def _publish(self, message: dict[str, Any], exchange: str, routing_key: str) -> None:
+        headers = message.get("headers") or {}
+        props = message.get("properties") or {}
+        make_eta_aware(headers)
+        op = publish_op(
+            self.options.schema,
+            exchange,
+            routing_key,
+            dumps(message).encode(),
+            channel=str_or_none(headers.get("x-channel"), "x-channel"),
+            name=str_or_none(headers.get("x-dedup-name"), "x-dedup-name"),
+            delay_ms=delay_ms(headers),
+            priority=priority(props.get("priority")),
+            ttl_ms=expiration_ms(props.get("expiration")),
+            max_message_bytes=self.options.max_message_bytes,
+        )
+        caller = current_connection()
+        # inside lonnymq.transaction(conn): in the caller's transaction, on its connection
+        routed = self._run(op) if caller is None else run(caller, op)
+        if caller is None:  # never while the caller's transaction is open
+            self.connection.sweep()
+        lane = str(headers.get("x-channel") or routing_key)
+        for queue, code, message_id in routed.results:
+            if code == "created" and message_id is not None:
+                events.enqueued(queue, lane or queue, message_id)
+        if routed.dropped:
+            for queue in routed.dropped:
+                events.channel_full(queue, lane or queue)
+            raise ChannelFull(routed.dropped[0], lane or routed.dropped[0])
+        if not routed.queues:
+            # as on RabbitMQ, unroutable messages are dropped. Broadcasts nobody listens to
+            # (Celery's pidbox on a fanout exchange, its events on a topic exchange) are
+            # normal; a direct exchange with no matching queue is usually a mistake.
+            direct = self._exchange_type(exchange) == "direct"
+            logger.log(
+                logging.WARNING if direct else logging.DEBUG,
+                "lonnymq: message to exchange %r with routing key %r matched no queue and "
+                "was dropped (declare and bind the queue first)",
+                exchange,
+                routing_key,
+            )
+
+    # -- consume ----------------------------------------------------------------------------
+
+    def basic_consume(self, queue: str, no_ack: bool, *args: Any, **kwargs: Any) -> Any:
+        if self.options.metrics_port is not None:
+            # served by the process that consumes (a Celery worker's main process), not by
+            # every process that publishes (its pool processes)
+            events.serve_metrics(self.options.metrics_port)
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        else:
+            self._no_ack_queues.discard(queue)
+        tag = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self.connection.wake()  # in an event loop: look at once
+        return tag
+
+    def basic_qos(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().basic_qos(*args, **kwargs)
+        self.connection.wake()  # the prefetch window may have grown
+        return result
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        result = super().basic_cancel(consumer_tag)
+        if queue is not None and queue not in self._active_queues:
+            self._no_ack_queues.discard(queue)
+        return result
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        result = self._dequeue([queue], 1)
+        if not result.messages:
+            return None
+        message = result.messages[0]
+        payload = self._payload(message)
+        if no_ack:
+            self._consume(delete_many_op(self.options.schema, [(message.id, message.lock_token)]))
+            return self.Message(payload, channel=self)
+        tag = payload["properties"]["delivery_tag"]
+        events.dequeued(
+            message.id, message.queue, message.channel, message.attempts, message.lock_expired
+        )
+        self.qos.hold(
+            tag,
+            (message.id, message.lock_token),
+            (message.queue, message.channel, message.attempts),
+        )
+        msg = self.Message(payload, channel=self)
+        self.qos.append(msg, tag)
+        return msg
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        result = self._dequeue([queue], 1)
+        if not result.messages:
+            raise Empty()
+        message = result.messages[0]
+        events.dequeued(
+            message.id, message.queue, message.channel, message.attempts, message.lock_expired
+        )
+        self.qos.hold(
+            self._tag(message),
+            (message.id, message.lock_token),
+            (message.queue, message.channel, message.attempts),
+        )
+        return self._payload(message)
+
+    def _dequeue(self, queues: list[str], limit: int) -> DequeueResult:
+        op = dequeue_op(
+            self.options.schema,
+            queues,
+            limit=limit,
+            lock_ms=self.options.lock_ms,
+            listen=self.options.use_listen,
+        )
+        started = time.perf_counter()
+        result: DequeueResult = self._consume(op)
+        events.dequeue_time(time.perf_counter() - started)
+        self._report_dead(result)
+        return result
+
+    @staticmethod
+    def _tag(message: QueueMessage) -> str:
+        return f"{message.id}:{message.lock_token.hex}"
+
+    def _payload(self, message: QueueMessage) -> dict[str, Any]:
+        payload: dict[str, Any] = loads(message.content)
+        props = payload.setdefault("properties", {})
+        props["delivery_tag"] = self._tag(message)
+        info = props.setdefault("delivery_info", {})
+        info["redelivered"] = message.attempts > 1
+        info["lonnymq"] = {
+            "id": message.id,
+            "channel": message.channel,
+            "attempts": message.attempts,
+        }
+        payload["redelivered"] = message.attempts > 1
+        return payload
+
+    def fetch(self) -> tuple[int, int | None]:
+        """Dequeue up to the free prefetch window across the consumed queues and deliver.
+        Returns (messages delivered, retry_ms when nothing was available)."""
+        plan = self.fetch_plan()
+        if plan is None:
+            return 0, None
+        if isinstance(plan, int):
+            return 0, plan
+        queues, limit = plan
+        return self.take(self.connection.ack_and_dequeue(queues, limit))
+
+    def fetch_plan(self) -> tuple[list[str], int] | int | None:
+        """What a fetch now would ask for: (queues, limit); or the ms to wait first (a
+        refill wait, see ``QoS.refill_wait``); None when there is nothing to fetch for."""
+        if self.closed or not self._consumers or not self.qos.can_consume():
+            return None
+        wait = self.qos.refill_wait()
+        if wait > 0:
+            return math.ceil(wait * 1000)
+        free = self.qos.can_consume_max_estimate()
+        limit = min(free or self.options.batch_size, self.options.batch_size)
+        return list(dict.fromkeys(self._active_queues)), limit
+
+    def take(self, result: DequeueResult) -> tuple[int, int | None]:
+        """Deliver what a fetch dequeued. Returns (messages delivered, retry_ms when nothing
+        was available). Messages of queues no longer consumed (cancelled while the fetch ran
+        in the background) are released at once. The channel must be open."""
+        self._report_dead(result)
+        if not result.messages:
+            return 0, result.retry_ms
+        messages = [m for m in result.messages if m.queue in self._active_queues]
+        if len(messages) < len(result.messages):
+            gone = [m for m in result.messages if m.queue not in self._active_queues]
+            with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
+                self.connection.release((m.id, m.lock_token) for m in gone)
+        batch = self._decodable(messages)
+        if not batch:
+            return 0, 0  # all put aside or released: look again at once
+        no_ack = [m for m, _ in batch if m.queue in self._no_ack_queues]
+        if no_ack:
+            self._consume(
+                delete_many_op(self.options.schema, [(m.id, m.lock_token) for m in no_ack])
+            )
+        for message, _ in batch:
+            events.dequeued(
+                message.id, message.queue, message.channel, message.attempts, message.lock_expired
+            )
+            if message.queue not in self._no_ack_queues:
+                self.qos.hold(
+                    self._tag(message),
+                    (message.id, message.lock_token),
+                    (message.queue, message.channel, message.attempts),
+                )
+        delivered = 0
+        acks = self.connection.acks
+        acks.delivering(True)
+        try:
+            for message, payload in batch:
+                delivered += 1
+                self.connection._deliver(payload, message.queue)
+        except BaseException:
+            rest = [m for m, _ in batch[delivered:] if m.queue not in self._no_ack_queues]
+            for m in rest:
+                self.qos._release(self._tag(m))
+            with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
+                self.connection.release((m.id, m.lock_token) for m in rest)
+            raise
+        finally:
+            acks.delivering(False)
+        return delivered, None
+
+    def _decodable(self, messages: list[QueueMessage]) -> list[tuple[QueueMessage, dict[str, Any]]]:
+        """The messages with their kombu payloads. One that is not a kombu payload (written by
+        something else) is logged and moved to the dead letters (reason ``undecodable``)
+        instead of failing the consumer on every redelivery: it is kept for a person to look
+        at (``lonnymq messages show ID``). Where the queue keeps no dead letters, it is put
+        aside for an hour instead."""
+        out = []
+        for message in messages:
+            try:
+                out.append((message, self._payload(message)))
+            except (ValueError, TypeError, AttributeError) as exc:
+                logger.error(
+                    "lonnymq: message %d in queue %r is not a kombu message (%s)",
+                    message.id,
+                    message.queue,
+                    exc,
+                )
+                with contextlib.suppress(LonnyMQError):
+                    self._put_aside(message)
+        return out
+
+    def _put_aside(self, message: QueueMessage) -> None:
+        schema = self.options.schema
+        if self._keeps_dead_letters(message.queue):
+            op = reject_op(schema, message.id, message.lock_token, reason="undecodable")
+            if self._run(op) is Outcome.OK:
+                events.dead_lettered(
+                    message.id, message.queue, message.channel, "undecodable", message.attempts
+                )
+            return
+        self._run(defer_op(schema, message.id, message.lock_token, delay_ms=3_600_000))
+
+    def _keeps_dead_letters(self, queue: str) -> bool:
+        try:
+            found = self._run(settings_op(self.options.schema, queue))
+            return found is None or bool(found.dead_letter)
+        except LonnyMQError:
+            return True
+
+    def _report_dead(self, result: DequeueResult) -> None:
+        for dead in result.dead:
+            events.dead_lettered(
+                dead.id,
+                dead.queue,
+                dead.channel,
+                "max_attempts",
+                dead.attempts,
+                kept=self._keeps_dead_letters(dead.queue),
+            )
+
+    def _restore(self, message: Any) -> None:
+        ref = self.qos._release(message.delivery_tag)
+        if ref is not None:
+            self._finalize(ref, requeue=True, why="restore")
+
+    def _restore_at_beginning(self, message: Any) -> None:
+        self._restore(message)
+
+    def basic_recover(self, requeue: bool = False) -> Any:
+        if requeue:
+            return self.qos.restore_unacked()
+        raise NotImplementedError("lonnymq does not support recover(requeue=False)")
