@@ -1,0 +1,369 @@
+"""``lonnymq status``, ``top``, ``channels`` and ``stats``: what the queues hold, live or once,
+with the warnings an operator should see (a held snapshot, queues past their x-expires)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from ..dsn import mask_password
+from ..queue import Broker, QueueExpiry, QueueStatus
+from . import term
+from .common import connect, db_now, dsn_of, fields_of, print_json, style_of
+
+
+def _status_dict(
+    s: QueueStatus, now: datetime, expiry: QueueExpiry | None = None
+) -> dict[str, Any]:
+    return {
+        "queue": s.queue,
+        "ready": s.ready,
+        "delayed": s.delayed,
+        "in_flight": s.in_flight,
+        "dead": s.dead,
+        "total": s.total,
+        "oldest_ready_age_seconds": s.oldest_ready_age(now),
+        "channels": s.channels,
+        "counters": {
+            "enqueued": s.counters.enqueued,
+            "delivered": s.counters.delivered,
+            "redelivered": s.counters.redelivered,
+            "acked": s.counters.acked,
+            "deferred": s.counters.deferred,
+            "dead": s.counters.dead,
+            "expired": s.counters.expired,
+            "dropped": s.counters.dropped,
+        },
+        "policy": {"max_concurrency": s.max_concurrency, "max_size": s.max_size},
+        "settings": {
+            "dead_letter": s.settings.dead_letter,
+            "max_attempts": s.settings.max_attempts,
+            "dead_retention_ms": s.settings.dead_retention_ms,
+        },
+        # x-expires: None for a queue without one
+        "expiry": None
+        if expiry is None
+        else {
+            "expires_ms": expiry.expires_ms,
+            "unused_seconds": round(expiry.unused_seconds, 3),
+            "expired": expiry.expired,
+        },
+    }
+
+
+def _read_status(
+    conn: psycopg.Connection[Any],
+    broker: Broker,
+    args: argparse.Namespace,
+    keep: frozenset[str] = frozenset(),
+) -> tuple[list[QueueStatus], datetime]:
+    statuses = broker.status(conn, count_ready=not args.no_count)
+    now = db_now(conn)
+    if args.queues:
+        wanted = set(args.queues)
+        statuses = [s for s in statuses if s.queue in wanted]
+        missing = sorted(wanted - {s.queue for s in statuses})
+        if missing:
+            print(f"lonnymq: no such queue: {', '.join(missing)}", file=sys.stderr)
+    elif not args.all:
+        statuses = [s for s in statuses if s.queue in keep or not _is_internal(s)]
+    return statuses, now
+
+
+def expired_warning(expiries: list[QueueExpiry], statuses: list[QueueStatus]) -> str | None:
+    """A warning naming the queues past their ``x-expires`` that are still there (leftovers of
+    processes that are gone, which no client of the schema has swept since), with what they
+    hold, else None."""
+    expired = [e for e in expiries if e.expired]
+    if not expired:
+        return None
+    totals = {s.queue: s.total for s in statuses}
+    held = sum(totals.get(e.queue, 0) for e in expired)
+    named = ", ".join(f"{e.queue} ({totals.get(e.queue, 0):,})" for e in expired[:10])
+    more = f" and {len(expired) - 10} more" if len(expired) > 10 else ""
+    return (
+        f"warning: {len(expired)} queue(s) past their x-expires, holding {held:,} "
+        f"message(s): {named}{more}. The next sweep deletes them (any client of the schema "
+        "sweeps every expire_interval); with none running, run `lonnymq housekeep` "
+        "(docs/operations.md, 'Housekeeping')"
+    )
+
+
+def _is_internal(s: QueueStatus) -> bool:
+    """Kombu's and Celery's own plumbing (pidbox, events, reply queues) when idle: hidden from
+    status and top unless --all, or unless something is waiting there."""
+    name = s.queue
+    plumbing = (
+        name.endswith(".pidbox")
+        or name.startswith("celeryev.")
+        or name.endswith(".reply.celery.pidbox")
+        or (len(name) == 36 and name.count("-") == 4)  # a reply queue named by a uuid
+    )
+    return plumbing and s.total == 0 and s.dead == 0
+
+
+_STATUS_HEAD = ["QUEUE", "READY", "DELAYED", "IN FLIGHT", "DEAD", "OLDEST READY", "CHANNELS"]
+
+
+def _status_row(s: QueueStatus, now: datetime, style: term.Style) -> list[str]:
+    oldest = s.oldest_ready_age(now)
+    oldest_text = term.age(oldest)
+    if oldest is not None and oldest >= 60:
+        oldest_text = style(oldest_text, "yellow" if oldest < 600 else "red")
+    dead = term.number(s.dead)
+    return [
+        style(s.queue, "cyan"),
+        term.number(s.ready),
+        term.number(s.delayed),
+        term.number(s.in_flight),
+        style(dead, "red") if s.dead else dead,
+        oldest_text,
+        term.number(s.channels),
+    ]
+
+
+def horizon_warning(conn: psycopg.Connection[Any], broker: Broker, threshold: float) -> str | None:
+    """A warning naming what holds back the database's cleanup horizon, when the oldest
+    session or prepared transaction is older than ``threshold`` seconds (or a replication
+    slot holds it back), else None."""
+    holders = broker.horizon(conn, limit=5)
+    hidden = sum(int(h.detail or 0) for h in holders if h.kind == "hidden")
+    old = [
+        h
+        for h in holders
+        if (h.kind in ("session", "prepared") and (h.age_s or 0) >= threshold)
+        or (h.kind == "slot" and (h.xid_age or 0) > 0)
+    ]
+    if not old:
+        return None
+    h = old[0]
+    age = term.age(h.age_s) if h.age_s is not None else f"{h.xid_age} transactions"
+    if h.kind == "session":
+        who = (
+            f"session pid {h.pid} (application {h.application_name or '-'!r}, "
+            f"state {h.state or '-'}) has held a snapshot for {age}"
+        )
+    elif h.kind == "prepared":
+        who = f"prepared transaction {h.application_name!r} has been open for {age}"
+    else:
+        who = f"replication slot {h.application_name!r} holds back {age}"
+    more = f" ({len(old) - 1} more)" if len(old) > 1 else ""
+    unseen = f"; {hidden} session(s) of other roles are not visible" if hidden else ""
+    return (
+        f"warning: {who}{more}{unseen}. Postgres keeps every row deleted since then: "
+        "lonnymq's tables grow until it ends (docs/operations.md, 'A held snapshot')"
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    with connect(args) as conn:
+        broker.check(conn)
+        expiries = broker.expiring(conn)
+        if args.queues:
+            expiries = [e for e in expiries if e.queue in set(args.queues)]
+        expired = frozenset(e.queue for e in expiries if e.expired)
+        statuses, now = _read_status(conn, broker, args, keep=expired)
+        warning = horizon_warning(conn, broker, args.snapshot_warn)
+    leftovers = expired_warning(expiries, statuses)
+    by_queue = {e.queue: e for e in expiries}
+    code = 1 if args.queues and len(statuses) < len(set(args.queues)) else 0
+    if args.json:
+        print_json([_status_dict(s, now, by_queue.get(s.queue)) for s in statuses])
+        for line in (warning, leftovers):
+            if line:
+                print(line, file=sys.stderr)
+        return code
+    style = style_of(args)
+    if not statuses:
+        if not args.queues:
+            print("no queues")
+    else:
+        rows = [_status_row(s, now, style) for s in statuses]
+        print(term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 7))))
+    for line in (warning, leftovers):
+        if line:
+            print(style(line, "yellow"))
+    return code
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    with connect(args) as conn:
+        broker.check(conn)
+        names = args.queues or broker.queues(conn)
+        rows = []
+        for name in names:
+            s = broker.queue(name).stats(conn)
+            rows.append(
+                {
+                    "queue": s.queue,
+                    "total": s.total,
+                    "ready": s.ready,
+                    "delayed": s.delayed,
+                    "in_flight": s.in_flight,
+                    "channels": s.channels,
+                }
+            )
+    if args.json:
+        print_json(rows)
+    else:
+        headers = ["queue", "total", "ready", "delayed", "in_flight", "channels"]
+        table = [[str(r[h]) for h in headers] for r in rows]
+        print(term.table(headers, table, style_of(args), right=frozenset(range(1, 6))))
+    return 0
+
+
+_TOP_HEAD = [*_STATUS_HEAD, "ENQ/S", "DELIV/S", "ACK/S", "DEAD/S"]
+
+
+def _rates(
+    s: QueueStatus, before: dict[str, QueueStatus], elapsed: float | None
+) -> list[float | None]:
+    prev = before.get(s.queue)
+    if prev is None or not elapsed:
+        return [None, None, None, None]
+    a, b = prev.counters, s.counters
+    return [
+        max(0, b.enqueued - a.enqueued) / elapsed,
+        max(0, b.delivered - a.delivered) / elapsed,
+        max(0, b.acked - a.acked) / elapsed,
+        max(0, b.dead - a.dead) / elapsed,
+    ]
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    style = style_of(args)
+    live = sys.stdout.isatty() and not args.json
+    before: dict[str, QueueStatus] = {}
+    last: float | None = None
+    shown = 0
+    where = mask_password(dsn_of(args))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        with connect(args) as conn:
+            broker.check(conn)
+            while True:
+                statuses, now = _read_status(conn, broker, args)
+                tick = time.monotonic()
+                elapsed = None if last is None else tick - last
+                if args.json:
+                    print(
+                        json.dumps(
+                            {
+                                "time": now.isoformat(),
+                                "queues": [
+                                    {
+                                        **_status_dict(s, now),
+                                        "rates": dict(
+                                            zip(
+                                                ("enqueued", "delivered", "acked", "dead"),
+                                                _rates(s, before, elapsed),
+                                                strict=True,
+                                            )
+                                        ),
+                                    }
+                                    for s in statuses
+                                ],
+                            },
+                            default=term.jsonable,
+                        ),
+                        flush=True,
+                    )
+                else:
+                    rows = []
+                    totals = [0.0, 0.0, 0.0, 0.0]
+                    ready = sum(s.ready or 0 for s in statuses)
+                    for s in statuses:
+                        rates = _rates(s, before, elapsed)
+                        for i, r in enumerate(rates):
+                            totals[i] += r or 0.0
+                        rows.append(_status_row(s, now, style) + [term.rate(r) for r in rates])
+                    title = style(
+                        f"lonnymq top  {where}  schema {args.schema}  "
+                        f"{now.astimezone().strftime('%Y-%m-%d %H:%M:%S')}",
+                        "bold",
+                    )
+                    summary = (
+                        f"{len(statuses)} queue(s)  "
+                        f"ready {term.number(None if args.no_count else ready)}  "
+                        f"in flight {term.number(sum(s.in_flight for s in statuses))}  "
+                        f"dead {term.number(sum(s.dead for s in statuses))}  "
+                        + (
+                            f"enq/s {term.rate(totals[0])}  deliv/s {term.rate(totals[1])}  "
+                            f"ack/s {term.rate(totals[2])}  dead/s {term.rate(totals[3])}"
+                            if elapsed
+                            else "rates after the next refresh"
+                        )
+                    )
+                    body = term.table(_TOP_HEAD, rows, style, right=frozenset(range(1, 11)))
+                    text = f"{title}\n{summary}\n\n{body}\n"
+                    warning = horizon_warning(conn, broker, args.snapshot_warn)
+                    if warning:
+                        text += style(warning, "yellow") + "\n"
+                    if live:
+                        sys.stdout.write("\x1b[H\x1b[2J" + text)
+                        sys.stdout.write(
+                            style(f"\nrefresh every {args.interval:g}s, Ctrl-C to quit", "dim")
+                            + "\n"
+                        )
+                    else:
+                        sys.stdout.write(text + "\n")
+                    sys.stdout.flush()
+                before = {s.queue: s for s in statuses}
+                last = tick
+                shown += 1
+                if args.iterations and shown >= args.iterations:
+                    return 0
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_channels(args: argparse.Namespace) -> int:
+    broker = Broker(args.schema)
+    with connect(args) as conn:
+        broker.check(conn)
+        channels = broker.queue(args.queue).channels(conn, limit=args.limit)
+        now = db_now(conn)
+    if args.json:
+        print_json([dict(fields_of(c)) for c in channels])
+        return 0
+    style = style_of(args)
+    if not channels:
+        print(f"queue {args.queue!r} has no channels")
+        return 0
+    head = [
+        "CHANNEL", "SIZE", "IN FLIGHT", "MAX CONC", "MAX SIZE", "POLICY", "WAITING",
+        "ENQUEUED", "ACKED", "DEAD",
+    ]  # fmt: skip
+    rows = []
+    for c in channels:
+        full = c.max_size is not None and c.size >= c.max_size
+        busy = c.max_concurrency is not None and c.in_flight >= c.max_concurrency
+        size = term.number(c.size)
+        conc = term.number(c.in_flight)
+        rows.append(
+            [
+                style(c.channel, "cyan"),
+                style(size, "red") if full else size,
+                style(conc, "yellow") if busy else conc,
+                term.number(c.max_concurrency),
+                term.number(c.max_size),
+                "own" if c.has_policy else "queue",
+                term.since(c.waiting_since, now),
+                term.number(c.enqueued),
+                term.number(c.acked),
+                term.number(c.dead),
+            ]
+        )
+    print(term.table(head, rows, style, right=frozenset({1, 2, 3, 4, 6, 7, 8, 9})))
+    return 0
