@@ -24,6 +24,29 @@
 --   channel   only channels with a policy of their own or a limit in force: the exact counts a
 --             limit needs (messages held, messages in flight), under the row's lock.
 
+-- Contents, in the order of creation (Postgres checks a signature's types and a LANGUAGE sql
+-- body when the function is created; a plpgsql body is resolved when it runs):
+--    1. Tables and storage
+--    2. Keys, wake-up and small helpers
+--    3. Create
+--    4. Ingest, discovery and fold
+--    5. Counts
+--    6. Dequeue
+--    7. Acks and finalize: delete (ack), defer, heartbeat, bury (dead-letter), reject
+--    8. Policies and limits
+--    9. Queues: declare, purge, delete, stats
+--   10. Routing: exchanges, bindings, publish
+--   11. Expiry and housekeeping
+--   12. Status, inspection and operator functions
+--   13. Security: rights
+
+
+-- ---------------------------------------------------------------------------------------------
+-- 1. Tables and storage
+-- The tables, their indexes and storage settings: first, since the functions' signatures
+-- name their row types and LANGUAGE sql bodies are checked against them.
+-- ---------------------------------------------------------------------------------------------
+
 CREATE SCHEMA IF NOT EXISTS {schema};
 
 CREATE TABLE {schema}.migration (
@@ -123,17 +146,21 @@ CREATE TABLE {schema}.message (
 -- position per priority, never from the start.
 CREATE INDEX message_ready_idx ON {schema}.message (queue, channel, priority DESC, dequeue_at, id)
     WHERE locked_until IS NULL;
+
 -- What became ready, by transaction: the ingest reads what committed since its snapshot.
 -- (Its predicate names lock_token, message_ready_idx's locked_until: the same rows by
 -- message_lock_pair, but no statement written for one index can be planned on the other; a
 -- generic plan read this whole index, backlog and dead entries, for a lane's next position.)
 CREATE INDEX message_txid_idx ON {schema}.message (txid) WHERE lock_token IS NULL;
+
 -- Locked messages of a queue, by lock expiry. Read from the queue's lock position.
 CREATE INDEX message_locked_idx ON {schema}.message (queue, locked_until)
     WHERE locked_until IS NOT NULL;
+
 -- De-duplication: one never-dequeued message per (queue, channel, name).
 CREATE UNIQUE INDEX message_name_idx ON {schema}.message (queue, channel, name)
     WHERE name IS NOT NULL AND attempts = 0;
+
 -- Messages with a time to live, soonest expiry first.
 CREATE INDEX message_expires_idx ON {schema}.message (expires_at) WHERE expires_at IS NOT NULL;
 
@@ -188,6 +215,7 @@ CREATE TABLE {schema}.lane (
 );
 
 CREATE INDEX lane_latest_idx ON {schema}.lane (queue, channel, id DESC);
+
 CREATE INDEX lane_turn_idx ON {schema}.lane (queue, turn_at, id) WHERE turn_at IS NOT NULL;
 
 -- Event counts, insert-only (one row per call and channel), folded by the ingest into
@@ -239,6 +267,7 @@ CREATE TABLE {schema}.channel_count (
     -- a row per channel, replaced (not updated) by each fold: the newest id is the live one
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY
 );
+
 CREATE INDEX channel_count_latest_idx ON {schema}.channel_count (queue, channel, id DESC);
 
 -- The counts of a queue's channels that emptied.
@@ -274,23 +303,31 @@ CREATE TABLE {schema}.dead_message (
 );
 
 CREATE INDEX dead_message_queue_idx ON {schema}.dead_message (queue, id);
+
 CREATE INDEX dead_message_dead_at_idx ON {schema}.dead_message (dead_at);
 
 -- Storage: the hot tables churn; leave room on each page for updated row versions (HOT
 -- updates), and let autovacuum, where it runs, visit them early.
 ALTER TABLE {schema}.message SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_insert_scale_factor = 0.01);
+
 ALTER TABLE {schema}.lane SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000);
+
 ALTER TABLE {schema}.discovery SET (autovacuum_vacuum_scale_factor = 0.0,
     autovacuum_vacuum_threshold = 1000);
+
 ALTER TABLE {schema}.tally SET (autovacuum_vacuum_scale_factor = 0.01,
     autovacuum_vacuum_threshold = 1000);
+
 ALTER TABLE {schema}.channel SET (fillfactor = 70);
+
 ALTER TABLE {schema}.channel_count SET (fillfactor = 70);
 
+
 -- ---------------------------------------------------------------------------------------------
--- Keys and small helpers
+-- 2. Keys, wake-up and small helpers
+-- Advisory lock keys, the NOTIFY of sleeping consumers, queue ids, lane versions.
 -- ---------------------------------------------------------------------------------------------
 
 -- The advisory lock key of a lane: held (transaction lock) by the dequeue that owns the lane
@@ -350,21 +387,6 @@ BEGIN
 END;
 $$;
 
--- The limits in force for a channel: its own policy, else the queue's default.
-CREATE FUNCTION {schema}.channel_limits_v1(
-    p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer
-)
-LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
-BEGIN
-    SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
-           CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END
-    INTO max_concurrency, max_size
-    FROM (SELECT) AS one
-    LEFT JOIN {schema}.queue q ON q.name = p_queue
-    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
-END;
-$$;
-
 -- A lane's live version (NULL when the channel has none).
 CREATE FUNCTION {schema}.lane_get_v1(p_queue text, p_channel text) RETURNS {schema}.lane
 LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
@@ -418,53 +440,9 @@ BEGIN
 END;
 $$;
 
--- ---------------------------------------------------------------------------------------------
--- Limits: the channel rows
--- ---------------------------------------------------------------------------------------------
-
--- Give back what removed (or unlocked) messages held on their channel row: p_sized messages
--- of its current_size, p_slotted of its current_concurrency. A slot freed in a channel at its
--- max_concurrency marks it `freed`: the next ingest (which the next dequeue runs, seeing it)
--- gives its lane a turn again. (Only owners and the ingest write lanes: that is what keeps
--- the queues' turn positions exact.) A row left with nothing to count and no policy goes.
-CREATE FUNCTION {schema}.channel_give_back_v1(
-    p_queue text, p_channel text, p_sized integer, p_slotted integer
-) RETURNS void
-LANGUAGE plpgsql SET enable_seqscan = off AS $$
-DECLARE
-    v_row {schema}.channel;
-    v_max integer;
-BEGIN
-    SELECT * INTO v_row FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN;
-    END IF;
-    v_row.current_size := GREATEST(0, v_row.current_size - p_sized);
-    IF p_slotted > 0 THEN
-        SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
-        IF v_max IS NOT NULL AND v_row.current_concurrency >= v_max
-           AND v_row.current_concurrency - p_slotted < v_max THEN
-            v_row.freed := true;
-            PERFORM {schema}.wake_v1(p_queue);
-        END IF;
-        v_row.current_concurrency := GREATEST(0, v_row.current_concurrency - p_slotted);
-    END IF;
-    IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
-       AND NOT v_row.freed THEN
-        DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
-    ELSE
-        UPDATE {schema}.channel c SET
-            current_size = v_row.current_size,
-            current_concurrency = v_row.current_concurrency,
-            freed = v_row.freed
-        WHERE c.queue = p_queue AND c.name = p_channel;
-    END IF;
-END;
-$$;
 
 -- ---------------------------------------------------------------------------------------------
--- Create
+-- 3. Create
 -- ---------------------------------------------------------------------------------------------
 
 -- Create a message in a channel with a max_size in force: producers of that channel take
@@ -701,8 +679,10 @@ BEGIN
 END;
 $$;
 
+
 -- ---------------------------------------------------------------------------------------------
--- Ingest
+-- 4. Ingest, discovery and fold
+-- The ingest position (discovery), what committed since, and the fold of the tallies.
 -- ---------------------------------------------------------------------------------------------
 
 -- The current snapshot, with the caller's own transaction among the running ones. (A
@@ -1155,43 +1135,95 @@ BEGIN
 END;
 $$;
 
+
 -- ---------------------------------------------------------------------------------------------
--- Dequeue
+-- 5. Counts
+-- What is folded plus what is not yet: the gauges and counters. LANGUAGE sql, read by the
+-- sql bodies of groups 9 and 12, so before them.
 -- ---------------------------------------------------------------------------------------------
 
--- The free slots of a channel with a max_concurrency, its row locked for the caller (created
--- when missing). NULL when another transaction holds the row (a producer of a limited channel
--- or an ack): the lane waits for a later dequeue rather than this one waiting for it.
-CREATE FUNCTION {schema}.channel_headroom_v1(p_queue text, p_channel text, OUT headroom integer, OUT max_concurrency integer)
-LANGUAGE plpgsql SET lock_timeout = '10ms' SET enable_seqscan = off AS $$
-DECLARE
-    v_current integer;
-BEGIN
-    SELECT l.max_concurrency INTO max_concurrency FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
-    IF max_concurrency IS NULL THEN
-        headroom := 2147483647;
-        RETURN;
-    END IF;
-    SELECT c.current_concurrency INTO v_current FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE SKIP LOCKED;
-    IF FOUND THEN
-        headroom := GREATEST(0, max_concurrency - v_current);
-        RETURN;
-    END IF;
-    headroom := NULL;
-    IF NOT EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel) THEN
-        BEGIN
-            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
-            ON CONFLICT DO NOTHING;
-            IF FOUND THEN
-                headroom := max_concurrency;
-            END IF;
-        EXCEPTION WHEN lock_not_available THEN
-            headroom := NULL;
-        END;
-    END IF;
-END;
+-- The counts of every channel of p_queue (NULL: of every queue), exact as of this statement:
+-- what is folded, plus the tallies not folded yet, plus the messages created and not ingested
+-- yet. Gauges derive from them (see channel_count).
+CREATE FUNCTION {schema}.channel_totals_v1(p_queue text)
+RETURNS TABLE (
+    queue text, channel text, enqueued bigint, delivered bigint, redelivered bigint,
+    acked bigint, deferred bigint, dead bigint, dead_held bigint, expired bigint,
+    dropped bigint, removed bigint, removed_held bigint, purged bigint
+)
+LANGUAGE sql STABLE AS $$
+    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1)
+    SELECT p.queue, p.channel, sum(p.enqueued)::bigint, sum(p.delivered)::bigint,
+           sum(p.redelivered)::bigint, sum(p.acked)::bigint, sum(p.deferred)::bigint,
+           sum(p.dead)::bigint, sum(p.dead_held)::bigint, sum(p.expired)::bigint,
+           sum(p.dropped)::bigint, sum(p.removed)::bigint, sum(p.removed_held)::bigint,
+           sum(p.purged)::bigint
+    FROM (
+        SELECT cc.queue, cc.channel, cc.enqueued, cc.delivered, cc.redelivered, cc.acked,
+               cc.deferred, cc.dead, cc.dead_held, cc.expired, cc.dropped, cc.removed,
+               cc.removed_held, cc.purged
+        FROM {schema}.channel_count cc WHERE p_queue IS NULL OR cc.queue = p_queue
+        UNION ALL
+        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
+               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid >= pg_snapshot_xmax(d.folded) AND (p_queue IS NULL OR t.queue = p_queue)
+        UNION ALL
+        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
+               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.folded)))
+          AND (p_queue IS NULL OR t.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL AND m.arrival = 0
+          AND (p_queue IS NULL OR m.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
+          AND m.arrival = 0 AND (p_queue IS NULL OR m.queue = p_queue)
+    ) AS p
+    GROUP BY p.queue, p.channel
 $$;
+
+-- Ready and delayed messages of p_queue (NULL: every queue) and the oldest ready one, read
+-- from the lanes' positions (never from the start of an index) and from what is not ingested
+-- yet. O(messages waiting).
+CREATE FUNCTION {schema}.queue_waiting_v1(p_queue text)
+RETURNS TABLE (queue text, ready bigint, delayed bigint, oldest_ready_at timestamptz)
+LANGUAGE sql STABLE AS $$
+    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1),
+    w AS (
+        SELECT m.queue, m.dequeue_at
+        FROM d, {schema}.lane l
+        CROSS JOIN LATERAL unnest(l.prios, l.pos_at, l.pos_id) AS p(prio, at, pid)
+        JOIN {schema}.message m ON m.queue = l.queue AND m.channel = l.channel
+             AND m.locked_until IS NULL AND m.priority = p.prio
+             AND (m.dequeue_at, m.id) >= (p.at, p.pid)
+        WHERE (p_queue IS NULL OR l.queue = p_queue) AND pg_visible_in_snapshot(m.txid, d.snap)
+          AND l.id = (SELECT max(l2.id) FROM {schema}.lane l2
+                      WHERE l2.queue = l.queue AND l2.channel = l.channel)
+        UNION ALL
+        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL
+          AND (p_queue IS NULL OR m.queue = p_queue)
+        UNION ALL
+        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
+          AND (p_queue IS NULL OR m.queue = p_queue)
+    )
+    SELECT w.queue, count(*) FILTER (WHERE w.dequeue_at <= clock_timestamp()),
+           count(*) FILTER (WHERE w.dequeue_at > clock_timestamp()),
+           min(w.dequeue_at) FILTER (WHERE w.dequeue_at <= clock_timestamp())
+    FROM w GROUP BY w.queue
+$$;
+
+
+-- ---------------------------------------------------------------------------------------------
+-- 6. Dequeue
+-- ---------------------------------------------------------------------------------------------
 
 -- Producers of a queue whose transactions are still open (they hold its 'produce' key)?
 CREATE FUNCTION {schema}.queue_idle_v1(p_queue text) RETURNS boolean
@@ -1959,8 +1991,9 @@ LANGUAGE sql AS $$
                                               p_lock_tokens, true);
 $$;
 
+
 -- ---------------------------------------------------------------------------------------------
--- Finalize: delete (ack), defer, heartbeat, dead-letter
+-- 7. Acks and finalize: delete (ack), defer, heartbeat, bury (dead-letter), reject
 -- ---------------------------------------------------------------------------------------------
 
 -- Delete (ack) many held messages. One outcome per id: 'ok', 'state_invalid' (held under
@@ -2167,9 +2200,102 @@ BEGIN
 END;
 $$;
 
+
 -- ---------------------------------------------------------------------------------------------
--- Policies
+-- 8. Policies and limits
+-- The channel rows (only channels with a policy of their own or a limit in force have one):
+-- the limits in force, the counts a limit needs, and the policies that set them.
 -- ---------------------------------------------------------------------------------------------
+
+-- The limits in force for a channel: its own policy, else the queue's default.
+CREATE FUNCTION {schema}.channel_limits_v1(
+    p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer
+)
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
+BEGIN
+    SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
+           CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END
+    INTO max_concurrency, max_size
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
+END;
+$$;
+
+-- Give back what removed (or unlocked) messages held on their channel row: p_sized messages
+-- of its current_size, p_slotted of its current_concurrency. A slot freed in a channel at its
+-- max_concurrency marks it `freed`: the next ingest (which the next dequeue runs, seeing it)
+-- gives its lane a turn again. (Only owners and the ingest write lanes: that is what keeps
+-- the queues' turn positions exact.) A row left with nothing to count and no policy goes.
+CREATE FUNCTION {schema}.channel_give_back_v1(
+    p_queue text, p_channel text, p_sized integer, p_slotted integer
+) RETURNS void
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_row {schema}.channel;
+    v_max integer;
+BEGIN
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_row.current_size := GREATEST(0, v_row.current_size - p_sized);
+    IF p_slotted > 0 THEN
+        SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
+        IF v_max IS NOT NULL AND v_row.current_concurrency >= v_max
+           AND v_row.current_concurrency - p_slotted < v_max THEN
+            v_row.freed := true;
+            PERFORM {schema}.wake_v1(p_queue);
+        END IF;
+        v_row.current_concurrency := GREATEST(0, v_row.current_concurrency - p_slotted);
+    END IF;
+    IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
+       AND NOT v_row.freed THEN
+        DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
+    ELSE
+        UPDATE {schema}.channel c SET
+            current_size = v_row.current_size,
+            current_concurrency = v_row.current_concurrency,
+            freed = v_row.freed
+        WHERE c.queue = p_queue AND c.name = p_channel;
+    END IF;
+END;
+$$;
+
+-- The free slots of a channel with a max_concurrency, its row locked for the caller (created
+-- when missing). NULL when another transaction holds the row (a producer of a limited channel
+-- or an ack): the lane waits for a later dequeue rather than this one waiting for it.
+CREATE FUNCTION {schema}.channel_headroom_v1(p_queue text, p_channel text, OUT headroom integer, OUT max_concurrency integer)
+LANGUAGE plpgsql SET lock_timeout = '10ms' SET enable_seqscan = off AS $$
+DECLARE
+    v_current integer;
+BEGIN
+    SELECT l.max_concurrency INTO max_concurrency FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
+    IF max_concurrency IS NULL THEN
+        headroom := 2147483647;
+        RETURN;
+    END IF;
+    SELECT c.current_concurrency INTO v_current FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE SKIP LOCKED;
+    IF FOUND THEN
+        headroom := GREATEST(0, max_concurrency - v_current);
+        RETURN;
+    END IF;
+    headroom := NULL;
+    IF NOT EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel) THEN
+        BEGIN
+            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+            ON CONFLICT DO NOTHING;
+            IF FOUND THEN
+                headroom := max_concurrency;
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            headroom := NULL;
+        END;
+    END IF;
+END;
+$$;
 
 -- Bring a channel in line with the limits now in force, after a policy change: a limit that
 -- starts counting counts what the channel holds (max_size: its messages; max_concurrency: its
@@ -2334,91 +2460,38 @@ BEGIN
 END;
 $$;
 
+
 -- ---------------------------------------------------------------------------------------------
--- Counts
+-- 9. Queues: declare, purge, delete, stats
 -- ---------------------------------------------------------------------------------------------
 
--- The counts of every channel of p_queue (NULL: of every queue), exact as of this statement:
--- what is folded, plus the tallies not folded yet, plus the messages created and not ingested
--- yet. Gauges derive from them (see channel_count).
-CREATE FUNCTION {schema}.channel_totals_v1(p_queue text)
-RETURNS TABLE (
-    queue text, channel text, enqueued bigint, delivered bigint, redelivered bigint,
-    acked bigint, deferred bigint, dead bigint, dead_held bigint, expired bigint,
-    dropped bigint, removed bigint, removed_held bigint, purged bigint
+-- Declare a queue with its arguments; returns (messages waiting, messages in flight).
+CREATE FUNCTION {schema}.queue_declare_v1(
+    p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint,
+    OUT waiting bigint, OUT in_flight bigint
 )
-LANGUAGE sql STABLE AS $$
-    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1)
-    SELECT p.queue, p.channel, sum(p.enqueued)::bigint, sum(p.delivered)::bigint,
-           sum(p.redelivered)::bigint, sum(p.acked)::bigint, sum(p.deferred)::bigint,
-           sum(p.dead)::bigint, sum(p.dead_held)::bigint, sum(p.expired)::bigint,
-           sum(p.dropped)::bigint, sum(p.removed)::bigint, sum(p.removed_held)::bigint,
-           sum(p.purged)::bigint
-    FROM (
-        SELECT cc.queue, cc.channel, cc.enqueued, cc.delivered, cc.redelivered, cc.acked,
-               cc.deferred, cc.dead, cc.dead_held, cc.expired, cc.dropped, cc.removed,
-               cc.removed_held, cc.purged
-        FROM {schema}.channel_count cc WHERE p_queue IS NULL OR cc.queue = p_queue
-        UNION ALL
-        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
-               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
-        FROM d, {schema}.tally t
-        WHERE t.txid >= pg_snapshot_xmax(d.folded) AND (p_queue IS NULL OR t.queue = p_queue)
-        UNION ALL
-        SELECT t.queue, t.channel, t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred,
-               t.dead, t.dead_held, t.expired, t.dropped, t.removed, t.removed_held, t.purged
-        FROM d, {schema}.tally t
-        WHERE t.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.folded)))
-          AND (p_queue IS NULL OR t.queue = p_queue)
-        UNION ALL
-        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
-        FROM d, {schema}.message m
-        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL AND m.arrival = 0
-          AND (p_queue IS NULL OR m.queue = p_queue)
-        UNION ALL
-        SELECT m.queue, m.channel, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
-        FROM d, {schema}.message m
-        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
-          AND m.arrival = 0 AND (p_queue IS NULL OR m.queue = p_queue)
-    ) AS p
-    GROUP BY p.queue, p.channel
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+BEGIN
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        expires_ms = p_expires_ms,
+        message_ttl_ms = p_message_ttl_ms,
+        used_at = clock_timestamp()
+    WHERE q.id = v_queue_id
+      AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+           OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
+    SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged
+                        - (t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                           - t.removed_held)), 0),
+           coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                        - t.removed_held), 0)
+    INTO waiting, in_flight
+    FROM {schema}.channel_totals_v1(p_queue) AS t;
+END;
 $$;
-
--- Ready and delayed messages of p_queue (NULL: every queue) and the oldest ready one, read
--- from the lanes' positions (never from the start of an index) and from what is not ingested
--- yet. O(messages waiting).
-CREATE FUNCTION {schema}.queue_waiting_v1(p_queue text)
-RETURNS TABLE (queue text, ready bigint, delayed bigint, oldest_ready_at timestamptz)
-LANGUAGE sql STABLE AS $$
-    WITH d AS (SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1),
-    w AS (
-        SELECT m.queue, m.dequeue_at
-        FROM d, {schema}.lane l
-        CROSS JOIN LATERAL unnest(l.prios, l.pos_at, l.pos_id) AS p(prio, at, pid)
-        JOIN {schema}.message m ON m.queue = l.queue AND m.channel = l.channel
-             AND m.locked_until IS NULL AND m.priority = p.prio
-             AND (m.dequeue_at, m.id) >= (p.at, p.pid)
-        WHERE (p_queue IS NULL OR l.queue = p_queue) AND pg_visible_in_snapshot(m.txid, d.snap)
-          AND l.id = (SELECT max(l2.id) FROM {schema}.lane l2
-                      WHERE l2.queue = l.queue AND l2.channel = l.channel)
-        UNION ALL
-        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
-        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL
-          AND (p_queue IS NULL OR m.queue = p_queue)
-        UNION ALL
-        SELECT m.queue, m.dequeue_at FROM d, {schema}.message m
-        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
-          AND (p_queue IS NULL OR m.queue = p_queue)
-    )
-    SELECT w.queue, count(*) FILTER (WHERE w.dequeue_at <= clock_timestamp()),
-           count(*) FILTER (WHERE w.dequeue_at > clock_timestamp()),
-           min(w.dequeue_at) FILTER (WHERE w.dequeue_at <= clock_timestamp())
-    FROM w GROUP BY w.queue
-$$;
-
--- ---------------------------------------------------------------------------------------------
--- Queues
--- ---------------------------------------------------------------------------------------------
 
 -- Delete every message of a queue that is not held by a consumer (ready and delayed ones).
 -- Returns how many were deleted. Held messages stay until acked or their lock expires.
@@ -2521,9 +2594,10 @@ LANGUAGE sql STABLE AS $$
     FROM {schema}.channel_totals_v1(p_queue) AS t
 $$;
 
+
 -- ---------------------------------------------------------------------------------------------
--- Kombu: exchanges and bindings persisted in Postgres, so that every process routes alike;
--- queue arguments (x-expires, x-message-ttl) so that abandoned queues and stale broadcasts go.
+-- 10. Routing: exchanges, bindings, publish
+-- Kombu's exchanges and bindings, persisted in Postgres so that every process routes alike.
 -- ---------------------------------------------------------------------------------------------
 
 -- Declare an exchange. Raises (SQLSTATE LM001) when it exists with another type.
@@ -2552,34 +2626,6 @@ LANGUAGE sql AS $$
     DELETE FROM {schema}.exchange WHERE name = p_exchange;
 $$;
 
--- Declare a queue with its arguments; returns (messages waiting, messages in flight).
-CREATE FUNCTION {schema}.queue_declare_v1(
-    p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint,
-    OUT waiting bigint, OUT in_flight bigint
-)
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_queue_id integer;
-BEGIN
-    v_queue_id := {schema}.queue_ensure_v1(p_queue);
-    UPDATE {schema}.queue q SET
-        expires_ms = p_expires_ms,
-        message_ttl_ms = p_message_ttl_ms,
-        used_at = clock_timestamp()
-    WHERE q.id = v_queue_id
-      AND (q.expires_ms IS DISTINCT FROM p_expires_ms
-           OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
-           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
-    SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged
-                        - (t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
-                           - t.removed_held)), 0),
-           coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
-                        - t.removed_held), 0)
-    INTO waiting, in_flight
-    FROM {schema}.channel_totals_v1(p_queue) AS t;
-END;
-$$;
-
 -- Bind a queue to an exchange (idempotent).
 CREATE FUNCTION {schema}.queue_bind_v1(
     p_exchange text, p_routing_key text, p_queue text, p_pattern text
@@ -2590,14 +2636,12 @@ LANGUAGE sql AS $$
     ON CONFLICT (exchange, routing_key, queue) DO NOTHING;
 $$;
 
-
 CREATE FUNCTION {schema}.queue_unbind_v1(p_exchange text, p_routing_key text, p_queue text)
 RETURNS void
 LANGUAGE sql AS $$
     DELETE FROM {schema}.binding
     WHERE exchange = p_exchange AND routing_key = p_routing_key AND queue = p_queue;
 $$;
-
 
 -- The queues a message published to (exchange, routing key) goes to, sorted (so that a
 -- publish to several queues locks them in a consistent order). The anonymous exchange ''
@@ -2625,7 +2669,6 @@ BEGIN
     RETURN coalesce(v_queues, ARRAY[]::text[]);
 END;
 $$;
-
 
 -- Publish: route, then create the message in every queue it goes to. The tenant channel is
 -- p_channel, else the routing key, else the queue name. One row per queue reached (none when
@@ -2662,6 +2705,13 @@ END;
 $$;
 
 
+-- ---------------------------------------------------------------------------------------------
+-- 11. Expiry and housekeeping
+-- Kombu's queue arguments (x-expires, x-message-ttl), so that abandoned queues and stale
+-- broadcasts go; dead letters past their retention (housekeep_v1, which also folds the
+-- counts).
+-- ---------------------------------------------------------------------------------------------
+
 -- Mark queues with an x-expires as used now (consumers call this periodically).
 CREATE FUNCTION {schema}.queue_touch_v1(p_queues text[]) RETURNS void
 LANGUAGE sql AS $$
@@ -2669,7 +2719,6 @@ LANGUAGE sql AS $$
     WHERE name = ANY (p_queues) AND expires_ms IS NOT NULL
       AND used_at < clock_timestamp() - interval '1 second';
 $$;
-
 
 -- Delete expired messages (not held by a consumer) and queues unused for longer than their
 -- x-expires, at most p_limit messages a call. Returns (messages, queues) deleted. Reads the
@@ -2743,9 +2792,35 @@ BEGIN
 END;
 $$;
 
+-- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
+-- queue's retention (at most p_limit), and ingest and fold the counts.
+CREATE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_shortest bigint;
+BEGIN
+    SELECT least(min(q.dead_retention_ms), 1209600000) INTO v_shortest FROM {schema}.queue q;
+    WITH old AS (
+        SELECT d.id FROM {schema}.dead_message d
+        LEFT JOIN {schema}.queue q ON q.name = d.queue
+        WHERE d.dead_at < v_now - coalesce(v_shortest, 1209600000) * interval '1 millisecond'
+          AND d.dead_at < v_now - coalesce(q.dead_retention_ms, 1209600000)
+              * interval '1 millisecond'
+        ORDER BY d.dead_at
+        LIMIT p_limit
+    ), gone AS (
+        DELETE FROM {schema}.dead_message d WHERE d.id IN (SELECT o.id FROM old o) RETURNING 1
+    )
+    SELECT count(*) INTO dead_pruned FROM gone;
+    PERFORM {schema}.ingest_v1(ARRAY[]::text[], true, true);
+END;
+$$;
+
 
 -- ---------------------------------------------------------------------------------------------
--- Operating: status, channels, messages, dead letters, settings, housekeeping.
+-- 12. Status, inspection and operator functions
+-- Status, channels, messages by id, dead letters, settings.
 -- ---------------------------------------------------------------------------------------------
 
 -- Every queue with its gauges, cumulative counters and settings. Splitting waiting messages
@@ -2807,7 +2882,6 @@ LANGUAGE sql STABLE AS $$
     ORDER BY q.name;
 $$;
 
-
 -- What holds back the database's cleanup horizon, oldest first: sessions of this database
 -- with a snapshot or a transaction id (a transaction left idle, a long report, pg_dump),
 -- prepared transactions and replication slots (a standby with hot_standby_feedback). Rows
@@ -2848,7 +2922,6 @@ LANGUAGE sql STABLE AS $$
     ORDER BY h.xid_age DESC NULLS LAST, h.age_s DESC NULLS LAST
     LIMIT p_limit
 $$;
-
 
 -- The channels of a queue, largest first, with their policies and counters.
 CREATE FUNCTION {schema}.channel_list_v1(p_queue text, p_limit integer)
@@ -2891,7 +2964,6 @@ BEGIN
 END;
 $$;
 
-
 -- A channel's own policy, the queue default, and its gauges (messages held, in flight).
 CREATE FUNCTION {schema}.channel_get_v1(p_queue text, p_channel text)
 RETURNS TABLE (
@@ -2911,7 +2983,6 @@ LANGUAGE sql STABLE AS $$
     LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel
     WHERE q.name IS NOT NULL OR c.name IS NOT NULL;
 $$;
-
 
 -- Messages, oldest id first, after p_after (keyset paging), filtered by queue, channel and
 -- state ('ready', 'delayed', 'locked', 'dead'; NULL: all); NULL filters match everything.
@@ -2967,7 +3038,6 @@ BEGIN
 END;
 $$;
 
-
 -- One message, live or dead, with its content and saved state (no row: not found).
 CREATE FUNCTION {schema}.message_get_v1(p_id bigint)
 RETURNS TABLE (
@@ -2991,7 +3061,6 @@ LANGUAGE sql STABLE AS $$
     FROM {schema}.dead_message d
     WHERE d.id = p_id;
 $$;
-
 
 -- Delete messages by id, whatever their state (a held one's holder then finds it gone), and
 -- dead letters. result_code per id: 'deleted' or 'not_found'.
@@ -3043,7 +3112,6 @@ BEGIN
 END;
 $$;
 
-
 -- A kombu payload (JSON) whose headers carry an `eta` (Celery's delayed tasks), with that
 -- header made to agree with the message's due time: p_at as ISO 8601 in UTC, or JSON null
 -- (what Celery writes for a task without one) when p_at is NULL, the message being due now.
@@ -3073,7 +3141,6 @@ BEGIN
         END)::text, 'UTF8');
 END;
 $$;
-
 
 -- Retry messages by id: a dead letter goes back to its queue and channel as a new message
 -- (attempts start again; 'retried', new_id), a delayed message becomes due now ('due_now',
@@ -3151,7 +3218,6 @@ BEGIN
 END;
 $$;
 
-
 -- Reschedule or edit a waiting (ready or delayed) message. Its due time: p_at, else now +
 -- p_delay_ms, else kept; a time not after now means due now (a message already due keeps its
 -- place, none is dated back before the others). Its priority and content: NULL keeps them.
@@ -3218,7 +3284,6 @@ BEGIN
 END;
 $$;
 
-
 -- Delete the dead letters of a queue; returns how many.
 CREATE FUNCTION {schema}.dead_purge_v1(p_queue text) RETURNS bigint
 LANGUAGE plpgsql AS $$
@@ -3230,7 +3295,6 @@ BEGIN
     RETURN v_n;
 END;
 $$;
-
 
 -- Change a queue's settings (created with the defaults if new). p_settings holds any of:
 -- dead_letter (boolean), max_attempts (integer > 0, or null: no limit), dead_retention_ms
@@ -3263,107 +3327,124 @@ END;
 $$;
 
 
--- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
--- queue's retention (at most p_limit), and ingest and fold the counts.
-CREATE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
-LANGUAGE plpgsql SET enable_seqscan = off AS $$
-DECLARE
-    v_now timestamptz := clock_timestamp();
-    v_shortest bigint;
-BEGIN
-    SELECT least(min(q.dead_retention_ms), 1209600000) INTO v_shortest FROM {schema}.queue q;
-    WITH old AS (
-        SELECT d.id FROM {schema}.dead_message d
-        LEFT JOIN {schema}.queue q ON q.name = d.queue
-        WHERE d.dead_at < v_now - coalesce(v_shortest, 1209600000) * interval '1 millisecond'
-          AND d.dead_at < v_now - coalesce(q.dead_retention_ms, 1209600000)
-              * interval '1 millisecond'
-        ORDER BY d.dead_at
-        LIMIT p_limit
-    ), gone AS (
-        DELETE FROM {schema}.dead_message d WHERE d.id IN (SELECT o.id FROM old o) RETURNING 1
-    )
-    SELECT count(*) INTO dead_pruned FROM gone;
-    PERFORM {schema}.ingest_v1(ARRAY[]::text[], true, true);
-END;
-$$;
+-- ---------------------------------------------------------------------------------------------
+-- 13. Security: rights
+-- Last: the REVOKE applies to every function created above.
+-- ---------------------------------------------------------------------------------------------
 
 -- Security: callers run the entry points below with the rights of the schema's owner
 -- (SECURITY DEFINER, with a fixed search_path) and need no rights on the tables; nobody may
 -- execute a function unless granted (lonnymq.grant / `lonnymq grant`: producer, worker,
 -- admin). The internal functions are only called by the entry points.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA {schema} FROM PUBLIC;
+
 ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_create_many_v1(text[], text[], text[], bytea[], integer[], bigint[], bigint[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_publish_v1(text, text, text, text, bytea, integer, bigint, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_delete_v1(bigint, uuid)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_delete_many_v1(bigint[], uuid[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_defer_v1(bigint, uuid, bigint, boolean, bytea)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_heartbeat_v1(bigint[], uuid[], bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.channel_policy_set_v1(text, text, integer, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.channel_get_v1(text, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_policy_set_v1(text, integer, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_purge_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_delete_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_stats_v1(text, boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.exchange_declare_v1(text, text, boolean, boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.exchange_delete_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_declare_v1(text, bigint, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_bind_v1(text, text, text, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_unbind_v1(text, text, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_touch_v1(text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.expire_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_status_v1(boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.horizon_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.channel_list_v1(text, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_list_v1(text, text, text, bigint, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_get_v1(bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_remove_v1(bigint[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_retry_v1(bigint[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_update_v1(bigint, bigint, timestamptz, integer, bytea)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.dead_purge_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.queue_configure_v1(text, jsonb)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.housekeep_v1(integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
