@@ -1,9 +1,9 @@
 """The lonnymq queue API (see :mod:`lonnymq.queue.broker`)."""
 
-from .admin import QueueExpiry
 from .batch import Batch, Pending
 from .broker import Broker, Channel, Queue
 from .dequeue import DeadLettered, DequeueResult, Message
+from .expiry import QueueExpiry
 from .finalize import KEEP
 from .operate import (
     ChannelStatus,

@@ -45,6 +45,11 @@ class Op(Generic[T]):
     parse: Callable[[Rows], T]
 
 
+def no_result(rows: Rows) -> None:
+    """The parse of an op whose function returns nothing to the caller (void)."""
+    return None
+
+
 _SCHEMA_ERRORS = (
     pgerrors.UndefinedFunction,
     pgerrors.UndefinedTable,
@@ -131,7 +136,9 @@ async def arun(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
     return op.parse(rows)
 
 
-AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+Conn = psycopg.Connection[Any]
+AConn = psycopg.AsyncConnection[Any]
+AnyConnection = Conn | AConn
 
 
 @overload

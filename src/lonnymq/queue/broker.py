@@ -9,20 +9,17 @@ then return an awaitable.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import Any, overload
-
-import psycopg
 
 from .. import migrator
 from . import _checks
-from ._ops import execute, require_sync, run
-from .admin import QueueExpiry, delete_queue_op, expiring_op, list_queues_op, purge_op, stats_op
+from ._ops import Conn, require_sync, run
 from .batch import Batch
-from .create import create_op
+from .create import ChannelMessages
 from .dequeue import DEFAULT_LOCK_MS, DequeueResult, Message, dequeue_op
-from .finalize import KEEP, defer_op, delete_op, heartbeat_op
+from .expiry import QueueExpiry, expire_op, expiring_op, housekeep_op
+from .finalize import KEEP, defer_op, delete_many_op, delete_op, heartbeat_op, reject_op
 from .operate import (
     DEFAULT_SETTINGS,
     UNSET,
@@ -40,29 +37,16 @@ from .operate import (
     dead_purge_op,
     get_op,
     horizon_op,
-    housekeep_op,
     list_op,
-    reject_op,
     remove_op,
     retry_op,
     settings_op,
     status_op,
     update_op,
 )
-from .policy import (
-    ChannelInfo,
-    Policy,
-    channel_clear_op,
-    channel_get_op,
-    channel_set_op,
-    queue_get_op,
-    queue_set_op,
-)
-from .results import CreateResult, Outcome, QueueStats
-from .routing import delete_many_op, expire_op
-
-Conn = psycopg.Connection[Any]
-AConn = psycopg.AsyncConnection[Any]
+from .policy import ChannelInfo, ChannelPolicy, QueuePolicy, channel_get_op
+from .queues import delete_queue_op, list_queues_op, purge_op, stats_op
+from .results import Outcome, QueueStats
 
 
 class Broker:
@@ -305,7 +289,7 @@ class Queue:
     @property
     def policy(self) -> QueuePolicy:
         """The queue-wide default policy, for channels without a policy of their own."""
-        return QueuePolicy(self)
+        return QueuePolicy(self.schema, self.name)
 
     def dequeue(
         self,
@@ -376,38 +360,6 @@ class Queue:
         run(require_sync(conn), op)
 
 
-class QueuePolicy:
-    def __init__(self, queue: Queue) -> None:
-        self._queue = queue
-
-    @overload
-    def set(
-        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
-    ) -> None: ...
-    @overload
-    def set(
-        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
-    ) -> Awaitable[None]: ...
-    def set(
-        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
-    ) -> Awaitable[None] | None:
-        """Set the default for every channel without its own policy (None: no limit)."""
-        q = self._queue
-        return execute(conn, queue_set_op(q.schema, q.name, max_concurrency, max_size))
-
-    @overload
-    def clear(self, conn: Conn) -> None: ...
-    @overload
-    def clear(self, conn: AConn) -> Awaitable[None]: ...
-    def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
-        q = self._queue
-        return execute(conn, queue_set_op(q.schema, q.name, None, None))
-
-    def get(self, conn: Conn) -> Policy:
-        q = self._queue
-        return run(require_sync(conn), queue_get_op(q.schema, q.name))
-
-
 class Channel:
     """A channel (tenant sub-queue) of a queue. Costs nothing until used."""
 
@@ -420,113 +372,15 @@ class Channel:
 
     @property
     def message(self) -> ChannelMessages:
-        return ChannelMessages(self)
+        q = self.queue
+        return ChannelMessages(q.schema, q.name, self.name, q.broker.max_message_bytes)
 
     @property
     def policy(self) -> ChannelPolicy:
-        return ChannelPolicy(self)
+        q = self.queue
+        return ChannelPolicy(q.schema, q.name, self.name)
 
     def info(self, conn: Conn) -> ChannelInfo:
         """The channel's policies and counters."""
         q = self.queue
         return run(require_sync(conn), channel_get_op(q.schema, q.name, self.name))
-
-
-class ChannelMessages:
-    def __init__(self, channel: Channel) -> None:
-        self._channel = channel
-
-    @overload
-    def create(
-        self,
-        conn: Conn,
-        content: bytes | str,
-        *,
-        name: str | None = ...,
-        delay_ms: float = ...,
-        priority: int = ...,
-        ttl_ms: float | None = ...,
-        raise_if_dropped: bool = ...,
-    ) -> CreateResult: ...
-    @overload
-    def create(
-        self,
-        conn: AConn,
-        content: bytes | str,
-        *,
-        name: str | None = ...,
-        delay_ms: float = ...,
-        priority: int = ...,
-        ttl_ms: float | None = ...,
-        raise_if_dropped: bool = ...,
-    ) -> Awaitable[CreateResult]: ...
-    def create(
-        self,
-        conn: Conn | AConn,
-        content: bytes | str,
-        *,
-        name: str | None = None,
-        delay_ms: float = 0,
-        priority: int = 0,
-        ttl_ms: float | None = None,
-        raise_if_dropped: bool = True,
-    ) -> CreateResult | Awaitable[CreateResult]:
-        """Create a message in the caller's transaction.
-
-        ``name`` de-duplicates: while a never-dequeued message of that name is in the channel,
-        nothing is created and the result is ``Deduplicated(existing_id)``. ``delay_ms`` keeps
-        it invisible until due; ``priority`` (0-255, higher first) orders it within the
-        channel. ``ttl_ms`` drops it if it is not dequeued within that time after it is due
-        (expired messages are removed by :meth:`Broker.expire`). A full channel raises
-        :class:`~lonnymq.ChannelFull`, or gives ``Dropped`` when ``raise_if_dropped=False``.
-        """
-        ch = self._channel
-        broker = ch.queue.broker
-        op = create_op(
-            broker.schema,
-            ch.queue.name,
-            ch.name,
-            content,
-            name=name,
-            delay_ms=delay_ms,
-            priority=priority,
-            ttl_ms=ttl_ms,
-            raise_if_dropped=raise_if_dropped,
-            max_message_bytes=broker.max_message_bytes,
-        )
-        return execute(conn, op)
-
-
-class ChannelPolicy:
-    def __init__(self, channel: Channel) -> None:
-        self._channel = channel
-
-    @overload
-    def set(
-        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
-    ) -> None: ...
-    @overload
-    def set(
-        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
-    ) -> Awaitable[None]: ...
-    def set(
-        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
-    ) -> Awaitable[None] | None:
-        """Set the channel's own policy (None: no limit); applies to the messages it holds."""
-        ch = self._channel
-        return execute(
-            conn, channel_set_op(ch.queue.schema, ch.queue.name, ch.name, max_concurrency, max_size)
-        )
-
-    @overload
-    def clear(self, conn: Conn) -> None: ...
-    @overload
-    def clear(self, conn: AConn) -> Awaitable[None]: ...
-    def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
-        """Remove the channel's own policy: the queue default applies again."""
-        ch = self._channel
-        return execute(conn, channel_clear_op(ch.queue.schema, ch.queue.name, ch.name))
-
-    def get(self, conn: Conn) -> Policy | None:
-        """The channel's own policy, or None when it follows the queue default."""
-        return self._channel.info(conn).own

@@ -1,12 +1,13 @@
-"""Create a message in a (queue, channel)."""
+"""Create a message in a (queue, channel): the op, and ``channel.message`` that runs it."""
 
 from __future__ import annotations
 
-from typing import LiteralString
+from collections.abc import Awaitable
+from typing import LiteralString, overload
 
 from ..exceptions import ChannelFull
 from . import _checks
-from ._ops import Op, Rows, render
+from ._ops import AConn, Conn, Op, Rows, execute, render
 from .results import Created, CreateResult, Deduplicated, Dropped
 
 _CREATE: LiteralString = (
@@ -104,3 +105,71 @@ def create_op(
         return result
 
     return Op(schema, render(_CREATE, schema), params, parse)
+
+
+class ChannelMessages:
+    """``channel.message``: creates in a channel."""
+
+    def __init__(self, schema: str, queue: str, channel: str, max_message_bytes: int) -> None:
+        self._schema = schema
+        self._queue = queue
+        self._channel = channel
+        self._max_message_bytes = max_message_bytes
+
+    @overload
+    def create(
+        self,
+        conn: Conn,
+        content: bytes | str,
+        *,
+        name: str | None = ...,
+        delay_ms: float = ...,
+        priority: int = ...,
+        ttl_ms: float | None = ...,
+        raise_if_dropped: bool = ...,
+    ) -> CreateResult: ...
+    @overload
+    def create(
+        self,
+        conn: AConn,
+        content: bytes | str,
+        *,
+        name: str | None = ...,
+        delay_ms: float = ...,
+        priority: int = ...,
+        ttl_ms: float | None = ...,
+        raise_if_dropped: bool = ...,
+    ) -> Awaitable[CreateResult]: ...
+    def create(
+        self,
+        conn: Conn | AConn,
+        content: bytes | str,
+        *,
+        name: str | None = None,
+        delay_ms: float = 0,
+        priority: int = 0,
+        ttl_ms: float | None = None,
+        raise_if_dropped: bool = True,
+    ) -> CreateResult | Awaitable[CreateResult]:
+        """Create a message in the caller's transaction.
+
+        ``name`` de-duplicates: while a never-dequeued message of that name is in the channel,
+        nothing is created and the result is ``Deduplicated(existing_id)``. ``delay_ms`` keeps
+        it invisible until due; ``priority`` (0-255, higher first) orders it within the
+        channel. ``ttl_ms`` drops it if it is not dequeued within that time after it is due
+        (expired messages are removed by :meth:`lonnymq.Broker.expire`). A full channel raises
+        :class:`~lonnymq.ChannelFull`, or gives ``Dropped`` when ``raise_if_dropped=False``.
+        """
+        op = create_op(
+            self._schema,
+            self._queue,
+            self._channel,
+            content,
+            name=name,
+            delay_ms=delay_ms,
+            priority=priority,
+            ttl_ms=ttl_ms,
+            raise_if_dropped=raise_if_dropped,
+            max_message_bytes=self._max_message_bytes,
+        )
+        return execute(conn, op)

@@ -12,8 +12,7 @@ import psycopg
 
 from . import _checks
 from ._ops import Op, Rows, render, require_sync, run
-from .finalize import KEEP, defer_op, delete_op, heartbeat_op
-from .operate import reject_op
+from .finalize import KEEP, defer_op, delete_op, heartbeat_op, reject_op
 from .results import Outcome
 
 _COLUMNS: LiteralString = (

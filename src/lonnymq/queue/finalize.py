@@ -1,11 +1,12 @@
-"""Finalize dequeued messages: delete (ack), defer (unlock, maybe later, maybe with new
-state), heartbeat (extend locks). Each checks the lock token, so a holder whose lock expired
-and was taken over gets ``Outcome.STATE_INVALID`` instead of finalizing someone else's work."""
+"""Finalize dequeued messages: delete (ack) one or many, defer (unlock, maybe later, maybe
+with new state), heartbeat (extend locks), reject (to the dead letters). Each checks the lock
+token, so a holder whose lock expired and was taken over gets ``Outcome.STATE_INVALID`` instead
+of finalizing someone else's work."""
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import LiteralString
 
 from . import _checks
@@ -13,6 +14,9 @@ from ._ops import Op, Rows, render
 from .results import Outcome
 
 _DELETE: LiteralString = "SELECT {schema}.message_delete_v1(%s::bigint, %s::uuid)"
+_DELETE_MANY: LiteralString = (
+    "SELECT message_id, result_code FROM {schema}.message_delete_many_v1(%s::bigint[], %s::uuid[])"
+)
 _DEFER: LiteralString = (
     "SELECT {schema}.message_defer_v1(%s::bigint, %s::uuid, %s::bigint, %s::boolean, %s::bytea)"
 )
@@ -20,6 +24,7 @@ _HEARTBEAT: LiteralString = (
     "SELECT message_id, locked_until FROM {schema}.message_heartbeat_v1("
     "%s::bigint[], %s::uuid[], %s::bigint)"
 )
+_REJECT: LiteralString = "SELECT {schema}.message_reject_v1(%s::bigint, %s::uuid, %s::text)"
 
 #: Marker for "keep the message's state as it is" in defer.
 KEEP = object()
@@ -31,6 +36,16 @@ def _outcome(rows: Rows) -> Outcome:
 
 def delete_op(schema: str, message_id: int, lock_token: uuid.UUID) -> Op[Outcome]:
     return Op(schema, render(_DELETE, schema), (message_id, lock_token), _outcome)
+
+
+def delete_many_op(schema: str, held: Sequence[tuple[int, uuid.UUID]]) -> Op[dict[int, Outcome]]:
+    ids = [h[0] for h in held]
+    tokens = [h[1] for h in held]
+
+    def parse(rows: Rows) -> dict[int, Outcome]:
+        return {r[0]: Outcome(r[1]) for r in rows}
+
+    return Op(schema, render(_DELETE_MANY, schema), (ids, tokens), parse)
 
 
 def defer_op(
@@ -66,3 +81,12 @@ def heartbeat_op(
         return {row[0] for row in rows}
 
     return Op(schema, render(_HEARTBEAT, schema), (ids, tokens, lock), parse)
+
+
+def reject_op(
+    schema: str, message_id: int, lock_token: uuid.UUID, *, reason: str = "rejected"
+) -> Op[Outcome]:
+    """Reject a held message without requeue: to the dead letters (or deleted where the
+    queue keeps none)."""
+    why = _checks.name(reason, "reason")
+    return Op(schema, render(_REJECT, schema), (message_id, lock_token, why), _outcome)

@@ -1,11 +1,10 @@
-"""Operating a broker: queue status and counters, channel listings, messages by id (list,
-show, delete, retry, update), dead letters and queue settings. Each is one SQL function
-call."""
+"""Operating a broker: queue status and counters, what holds back the cleanup horizon,
+channel listings, messages by id (list, show, delete, retry, update), dead letters and queue
+settings. Each is one SQL function call."""
 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal, LiteralString
@@ -14,8 +13,7 @@ from psycopg.types.json import Jsonb
 
 from ..exceptions import InvalidArgument, MessageLocked, MessageNotFound
 from . import _checks
-from ._ops import Op, Rows, render
-from .results import Outcome
+from ._ops import Op, Rows, no_result, render
 
 State = Literal["ready", "delayed", "locked", "dead"]
 STATES: tuple[State, ...] = ("ready", "delayed", "locked", "dead")
@@ -34,8 +32,6 @@ _UPDATE: LiteralString = (
 )
 _DEAD_PURGE: LiteralString = "SELECT {schema}.dead_purge_v1(%s::text)"
 _CONFIGURE: LiteralString = "SELECT {schema}.queue_configure_v1(%s::text, %s::jsonb)"
-_REJECT: LiteralString = "SELECT {schema}.message_reject_v1(%s::bigint, %s::uuid, %s::text)"
-_HOUSEKEEP: LiteralString = "SELECT {schema}.housekeep_v1(%s::integer)"
 _HORIZON: LiteralString = "SELECT * FROM {schema}.horizon_v1(%s::integer)"
 _SETTINGS: LiteralString = (
     "SELECT q.dead_letter, q.max_attempts, q.dead_retention_ms FROM {schema}.queue q "
@@ -416,34 +412,8 @@ def configure_op(
             dead_retention_ms, "dead_retention_ms", low=1, high=_checks.MAX_DELAY_MS
         )
 
-    def parse(rows: Rows) -> None:
-        return None
-
     params = (_checks.name(queue, "queue"), Jsonb(settings))
-    return Op(schema, render(_CONFIGURE, schema), params, parse)
-
-
-def reject_op(
-    schema: str, message_id: int, lock_token: uuid.UUID, *, reason: str = "rejected"
-) -> Op[Outcome]:
-    """Reject a held message without requeue: to the dead letters (or deleted where the
-    queue keeps none)."""
-    why = _checks.name(reason, "reason")
-
-    def parse(rows: Rows) -> Outcome:
-        return Outcome(rows[0][0])
-
-    return Op(schema, render(_REJECT, schema), (message_id, lock_token, why), parse)
-
-
-def housekeep_op(schema: str, *, limit: int = 10_000) -> Op[int]:
-    """Prune dead letters past their retention (at most ``limit``); fold counter rows."""
-    count = _checks.integer(limit, "limit", low=1, high=1_000_000)
-
-    def parse(rows: Rows) -> int:
-        return int(rows[0][0])
-
-    return Op(schema, render(_HOUSEKEEP, schema), (count,), parse)
+    return Op(schema, render(_CONFIGURE, schema), params, no_result)
 
 
 def settings_op(schema: str, queue: str) -> Op[QueueSettings | None]:

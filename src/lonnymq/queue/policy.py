@@ -5,11 +5,12 @@ a limit in force have one)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import LiteralString
+from typing import LiteralString, overload
 
 from . import _checks
-from ._ops import Op, Rows, render
+from ._ops import AConn, Conn, Op, Rows, execute, no_result, render, require_sync, run
 
 _CHANNEL_SET: LiteralString = (
     "SELECT {schema}.channel_policy_set_v1(%s::text, %s::text, %s::integer, %s::integer)"
@@ -55,27 +56,23 @@ def _limits(max_concurrency: object, max_size: object) -> tuple[int | None, int 
     )
 
 
-def _none(rows: Rows) -> None:
-    return None
-
-
 def channel_set_op(
     schema: str, queue: str, channel: str, max_concurrency: object, max_size: object
 ) -> Op[None]:
     names = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
     return Op(
-        schema, render(_CHANNEL_SET, schema), names + _limits(max_concurrency, max_size), _none
+        schema, render(_CHANNEL_SET, schema), names + _limits(max_concurrency, max_size), no_result
     )
 
 
 def channel_clear_op(schema: str, queue: str, channel: str) -> Op[None]:
     params = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
-    return Op(schema, render(_CHANNEL_CLEAR, schema), params, _none)
+    return Op(schema, render(_CHANNEL_CLEAR, schema), params, no_result)
 
 
 def queue_set_op(schema: str, queue: str, max_concurrency: object, max_size: object) -> Op[None]:
     params = (_checks.name(queue, "queue"), *_limits(max_concurrency, max_size))
-    return Op(schema, render(_QUEUE_SET, schema), params, _none)
+    return Op(schema, render(_QUEUE_SET, schema), params, no_result)
 
 
 def channel_get_op(schema: str, queue: str, channel: str) -> Op[ChannelInfo]:
@@ -96,3 +93,72 @@ def queue_get_op(schema: str, queue: str) -> Op[Policy]:
         return Policy(*rows[0]) if rows else Policy()
 
     return Op(schema, render(_QUEUE_GET, schema), (_checks.name(queue, "queue"),), parse)
+
+
+class QueuePolicy:
+    """``queue.policy``: the queue-wide default, for channels without a policy of their own."""
+
+    def __init__(self, schema: str, queue: str) -> None:
+        self._schema = schema
+        self._queue = queue
+
+    @overload
+    def set(
+        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> None: ...
+    @overload
+    def set(
+        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> Awaitable[None]: ...
+    def set(
+        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
+    ) -> Awaitable[None] | None:
+        """Set the default for every channel without its own policy (None: no limit)."""
+        return execute(conn, queue_set_op(self._schema, self._queue, max_concurrency, max_size))
+
+    @overload
+    def clear(self, conn: Conn) -> None: ...
+    @overload
+    def clear(self, conn: AConn) -> Awaitable[None]: ...
+    def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
+        return execute(conn, queue_set_op(self._schema, self._queue, None, None))
+
+    def get(self, conn: Conn) -> Policy:
+        return run(require_sync(conn), queue_get_op(self._schema, self._queue))
+
+
+class ChannelPolicy:
+    """``channel.policy``: the channel's own policy, in place of the queue default."""
+
+    def __init__(self, schema: str, queue: str, channel: str) -> None:
+        self._schema = schema
+        self._queue = queue
+        self._channel = channel
+
+    @overload
+    def set(
+        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> None: ...
+    @overload
+    def set(
+        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+    ) -> Awaitable[None]: ...
+    def set(
+        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
+    ) -> Awaitable[None] | None:
+        """Set the channel's own policy (None: no limit); applies to the messages it holds."""
+        op = channel_set_op(self._schema, self._queue, self._channel, max_concurrency, max_size)
+        return execute(conn, op)
+
+    @overload
+    def clear(self, conn: Conn) -> None: ...
+    @overload
+    def clear(self, conn: AConn) -> Awaitable[None]: ...
+    def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
+        """Remove the channel's own policy: the queue default applies again."""
+        return execute(conn, channel_clear_op(self._schema, self._queue, self._channel))
+
+    def get(self, conn: Conn) -> Policy | None:
+        """The channel's own policy, or None when it follows the queue default."""
+        op = channel_get_op(self._schema, self._queue, self._channel)
+        return run(require_sync(conn), op).own

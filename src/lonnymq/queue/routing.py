@@ -1,18 +1,15 @@
-"""Exchanges, bindings, publish-with-routing and queue housekeeping: the operations the Kombu
-transport maps its hooks onto. Routing happens inside Postgres, so a publish to any exchange
+"""Exchanges, bindings and publish-with-routing: the operations the Kombu transport maps its
+exchange and bind hooks onto. Routing happens inside Postgres, so a publish to any exchange
 is one round trip and every process sees the same bindings."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import LiteralString
 
 from ..exceptions import InvalidArgument
 from . import _checks
-from ._ops import Op, Rows, render
-from .results import Outcome
+from ._ops import Op, Rows, no_result, render
 
 _PUBLISH: LiteralString = (
     "SELECT queue_name, result_code, message_id FROM {schema}.message_publish_v1("
@@ -23,13 +20,6 @@ _EXCHANGE_DECLARE: LiteralString = (
 )
 _EXCHANGE_DELETE: LiteralString = "SELECT {schema}.exchange_delete_v1(%s::text)"
 _EXCHANGE_GET: LiteralString = "SELECT type FROM {schema}.exchange WHERE name = %s"
-_QUEUE_DECLARE: LiteralString = (
-    "SELECT waiting, in_flight FROM {schema}.queue_declare_v1(%s::text, %s::bigint, %s::bigint)"
-)
-_QUEUE_EXISTS: LiteralString = (
-    "SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %s) "
-    "OR EXISTS (SELECT 1 FROM {schema}.binding WHERE queue = %s)"
-)
 _BIND: LiteralString = "SELECT {schema}.queue_bind_v1(%s::text, %s::text, %s::text, %s::text)"
 _UNBIND: LiteralString = "SELECT {schema}.queue_unbind_v1(%s::text, %s::text, %s::text)"
 _BINDINGS: LiteralString = (
@@ -40,11 +30,6 @@ _ALL_BINDINGS: LiteralString = (
     "SELECT b.queue, b.exchange, b.routing_key FROM {schema}.binding b "
     "ORDER BY b.exchange, b.routing_key, b.queue"
 )
-_DELETE_MANY: LiteralString = (
-    "SELECT message_id, result_code FROM {schema}.message_delete_many_v1(%s::bigint[], %s::uuid[])"
-)
-_TOUCH: LiteralString = "SELECT {schema}.queue_touch_v1(%s::text[])"
-_EXPIRE: LiteralString = "SELECT messages, queues FROM {schema}.expire_v1(%s::integer)"
 
 EXCHANGE_TYPES = ("direct", "topic", "fanout")
 
@@ -63,10 +48,6 @@ class Routed:
     def dropped(self) -> list[str]:
         """Queues whose channel was full (nothing was written there)."""
         return [queue for queue, code, _ in self.results if code == "dropped"]
-
-
-def _none(rows: Rows) -> None:
-    return None
 
 
 def publish_op(
@@ -113,12 +94,12 @@ def exchange_declare_op(
             f"exchange type {type!r} is not supported (use one of {', '.join(EXCHANGE_TYPES)})"
         )
     params = (_checks.name(exchange, "exchange"), type, bool(durable), bool(auto_delete))
-    return Op(schema, render(_EXCHANGE_DECLARE, schema), params, _none)
+    return Op(schema, render(_EXCHANGE_DECLARE, schema), params, no_result)
 
 
 def exchange_delete_op(schema: str, exchange: str) -> Op[None]:
     return Op(
-        schema, render(_EXCHANGE_DELETE, schema), (_checks.name(exchange, "exchange"),), _none
+        schema, render(_EXCHANGE_DELETE, schema), (_checks.name(exchange, "exchange"),), no_result
     )
 
 
@@ -128,35 +109,6 @@ def exchange_type_op(schema: str, exchange: str) -> Op[str | None]:
 
     exchange = _checks.optional_key(exchange, "exchange name")
     return Op(schema, render(_EXCHANGE_GET, schema), (exchange,), parse)
-
-
-def queue_declare_op(
-    schema: str,
-    queue: str,
-    *,
-    expires_ms: int | None = None,
-    message_ttl_ms: int | None = None,
-) -> Op[tuple[int, int]]:
-    params = (
-        _checks.name(queue, "queue"),
-        None if expires_ms is None else _checks.integer(expires_ms, "x-expires", low=1, high=2**62),
-        None
-        if message_ttl_ms is None
-        else _checks.integer(message_ttl_ms, "x-message-ttl", low=0, high=2**62),
-    )
-
-    def parse(rows: Rows) -> tuple[int, int]:
-        return int(rows[0][0]), int(rows[0][1])
-
-    return Op(schema, render(_QUEUE_DECLARE, schema), params, parse)
-
-
-def queue_exists_op(schema: str, queue: str) -> Op[bool]:
-    def parse(rows: Rows) -> bool:
-        return bool(rows[0][0])
-
-    queue = _checks.name(queue, "queue")
-    return Op(schema, render(_QUEUE_EXISTS, schema), (queue, queue), parse)
 
 
 def _literal(word: str) -> str:
@@ -197,7 +149,7 @@ def bind_op(
         _checks.name(queue, "queue"),
         pattern,
     )
-    return Op(schema, render(_BIND, schema), params, _none)
+    return Op(schema, render(_BIND, schema), params, no_result)
 
 
 def unbind_op(schema: str, exchange: str, routing_key: str, queue: str) -> Op[None]:
@@ -206,7 +158,7 @@ def unbind_op(schema: str, exchange: str, routing_key: str, queue: str) -> Op[No
         _checks.optional_key(routing_key, "binding key"),
         _checks.name(queue, "queue"),
     )
-    return Op(schema, render(_UNBIND, schema), params, _none)
+    return Op(schema, render(_UNBIND, schema), params, no_result)
 
 
 def bindings_op(schema: str, exchange: str) -> Op[list[tuple[str, str, str, str | None]]]:
@@ -222,24 +174,3 @@ def all_bindings_op(schema: str) -> Op[list[tuple[str, str, str]]]:
         return [(r[0], r[1], r[2]) for r in rows]
 
     return Op(schema, render(_ALL_BINDINGS, schema), (), parse)
-
-
-def delete_many_op(schema: str, held: Sequence[tuple[int, uuid.UUID]]) -> Op[dict[int, Outcome]]:
-    ids = [h[0] for h in held]
-    tokens = [h[1] for h in held]
-
-    def parse(rows: Rows) -> dict[int, Outcome]:
-        return {r[0]: Outcome(r[1]) for r in rows}
-
-    return Op(schema, render(_DELETE_MANY, schema), (ids, tokens), parse)
-
-
-def touch_op(schema: str, queues: Sequence[str]) -> Op[None]:
-    return Op(schema, render(_TOUCH, schema), (list(queues),), _none)
-
-
-def expire_op(schema: str, limit: int = 10_000) -> Op[tuple[int, int]]:
-    def parse(rows: Rows) -> tuple[int, int]:
-        return int(rows[0][0]), int(rows[0][1])
-
-    return Op(schema, render(_EXPIRE, schema), (limit,), parse)

@@ -19,9 +19,9 @@ from ..queue import Message as QueueMessage
 from ..queue import Outcome
 from ..queue._ops import Op, run
 from ..queue.dequeue import DequeueResult, dequeue_op
-from ..queue.finalize import defer_op, delete_op
-from ..queue.operate import reject_op, settings_op
-from ..queue.routing import delete_many_op, publish_op
+from ..queue.finalize import defer_op, delete_many_op, delete_op, reject_op
+from ..queue.operate import settings_op
+from ..queue.routing import publish_op
 from . import events
 from .acks import Held
 from .headers import delay_ms, expiration_ms, make_eta_aware, priority, str_or_none

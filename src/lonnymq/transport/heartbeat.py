@@ -10,8 +10,8 @@ import os
 import threading
 import time
 
+from ..queue.expiry import touch_op
 from ..queue.finalize import heartbeat_op
-from ..queue.routing import touch_op
 from .acks import Held
 from .interfaces import TransportLike
 

@@ -33,8 +33,7 @@ from psycopg import sql
 
 from ..exceptions import LonnyMQError
 from ..queue._ops import run
-from ..queue.operate import housekeep_op
-from ..queue.routing import expire_op
+from ..queue.expiry import expire_op, housekeep_op
 
 logger = logging.getLogger("lonnymq.transport")
 

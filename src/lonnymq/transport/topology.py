@@ -14,8 +14,8 @@ from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from ..queue._ops import Op, run
-from ..queue.admin import delete_queue_op, purge_op, stats_op
 from ..queue.policy import queue_get_op, queue_set_op
+from ..queue.queues import delete_queue_op, purge_op, queue_declare_op, queue_exists_op, stats_op
 from ..queue.routing import (
     all_bindings_op,
     bind_op,
@@ -23,8 +23,6 @@ from ..queue.routing import (
     exchange_declare_op,
     exchange_delete_op,
     exchange_type_op,
-    queue_declare_op,
-    queue_exists_op,
     topic_pattern,
     unbind_op,
 )

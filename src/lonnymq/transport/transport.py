@@ -19,9 +19,8 @@ from ..migrator import wake_channel
 from ..queue import Broker, Outcome
 from ..queue._ops import Op, async_commit, run
 from ..queue.dequeue import DequeueResult, dequeue_op
-from ..queue.finalize import defer_op
+from ..queue.finalize import defer_op, delete_many_op
 from ..queue.operate import configure_op
-from ..queue.routing import delete_many_op
 from . import events, url
 from .acks import Ack, AckBuffer, Held
 from .channel import Channel
