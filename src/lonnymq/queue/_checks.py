@@ -18,18 +18,11 @@ Content = bytes | bytearray | memoryview | str
 
 
 def name(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise InvalidName(f"{what} name must be a str, not {type(value).__name__}")
-    if not value:
+    """A name (a queue, a channel...): as :func:`optional_key`, and not empty."""
+    key = optional_key(value, f"{what} name")
+    if not key:
         raise InvalidName(f"{what} name must not be empty")
-    if len(value) > MAX_NAME_LENGTH:
-        raise InvalidName(
-            f"{what} name is {len(value)} characters long, over the limit of {MAX_NAME_LENGTH}"
-        )
-    if "\x00" in value:
-        raise InvalidName(f"{what} name must not contain NUL characters")
-    _utf8(value, f"{what} name", InvalidName)
-    return value
+    return key
 
 
 def optional_key(value: object, what: str) -> str:
@@ -73,6 +66,20 @@ def content(value: object, limit: int) -> bytes:
     if len(data) > limit:
         raise MessageTooLarge(len(data), limit)
     return data
+
+
+def message(
+    name: object, body: object, priority: object, delay_ms: object, ttl_ms: object, limit: int
+) -> tuple[str | None, bytes, int, int, int | None]:
+    """What a create and a publish say of the message: its name, content (at most ``limit``
+    bytes), priority, delay and time to live, checked in that order."""
+    return (
+        optional_name(name, "message"),
+        content(body, limit),
+        integer(priority, "priority", low=0, high=MAX_PRIORITY),
+        milliseconds(delay_ms, "delay_ms", low=0, high=MAX_DELAY_MS),
+        None if ttl_ms is None else milliseconds(ttl_ms, "ttl_ms", low=0, high=MAX_DELAY_MS),
+    )
 
 
 def optional_bytes(value: object, what: str) -> bytes | None:

@@ -5,6 +5,7 @@ a limit in force have one)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import LiteralString, overload
@@ -95,12 +96,15 @@ def queue_get_op(schema: str, queue: str) -> Op[Policy]:
     return Op(schema, render(_QUEUE_GET, schema), (_checks.name(queue, "queue"),), parse)
 
 
-class QueuePolicy:
-    """``queue.policy``: the queue-wide default, for channels without a policy of their own."""
+class _PolicyHandle(ABC):
+    """``set`` and ``clear`` of a policy, on a sync connection or, returning an awaitable, on
+    an async one."""
 
-    def __init__(self, schema: str, queue: str) -> None:
-        self._schema = schema
-        self._queue = queue
+    @abstractmethod
+    def _set_op(self, max_concurrency: int | None, max_size: int | None) -> Op[None]: ...
+
+    @abstractmethod
+    def _clear_op(self) -> Op[None]: ...
 
     @overload
     def set(
@@ -113,50 +117,49 @@ class QueuePolicy:
     def set(
         self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
     ) -> Awaitable[None] | None:
-        """Set the default for every channel without its own policy (None: no limit)."""
-        return execute(conn, queue_set_op(self._schema, self._queue, max_concurrency, max_size))
+        """Set the limits (None: no limit)."""
+        return execute(conn, self._set_op(max_concurrency, max_size))
 
     @overload
     def clear(self, conn: Conn) -> None: ...
     @overload
     def clear(self, conn: AConn) -> Awaitable[None]: ...
     def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
-        return execute(conn, queue_set_op(self._schema, self._queue, None, None))
+        return execute(conn, self._clear_op())
+
+
+class QueuePolicy(_PolicyHandle):
+    """``queue.policy``: the queue-wide default, for every channel without a policy of its own
+    (``clear``: no limits)."""
+
+    def __init__(self, schema: str, queue: str) -> None:
+        self._schema = schema
+        self._queue = queue
+
+    def _set_op(self, max_concurrency: int | None, max_size: int | None) -> Op[None]:
+        return queue_set_op(self._schema, self._queue, max_concurrency, max_size)
+
+    def _clear_op(self) -> Op[None]:
+        return queue_set_op(self._schema, self._queue, None, None)
 
     def get(self, conn: Conn) -> Policy:
         return run(require_sync(conn), queue_get_op(self._schema, self._queue))
 
 
-class ChannelPolicy:
-    """``channel.policy``: the channel's own policy, in place of the queue default."""
+class ChannelPolicy(_PolicyHandle):
+    """``channel.policy``: the channel's own policy, in place of the queue default; it applies
+    to the messages the channel holds. ``clear`` removes it: the queue default applies again."""
 
     def __init__(self, schema: str, queue: str, channel: str) -> None:
         self._schema = schema
         self._queue = queue
         self._channel = channel
 
-    @overload
-    def set(
-        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
-    ) -> None: ...
-    @overload
-    def set(
-        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
-    ) -> Awaitable[None]: ...
-    def set(
-        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
-    ) -> Awaitable[None] | None:
-        """Set the channel's own policy (None: no limit); applies to the messages it holds."""
-        op = channel_set_op(self._schema, self._queue, self._channel, max_concurrency, max_size)
-        return execute(conn, op)
+    def _set_op(self, max_concurrency: int | None, max_size: int | None) -> Op[None]:
+        return channel_set_op(self._schema, self._queue, self._channel, max_concurrency, max_size)
 
-    @overload
-    def clear(self, conn: Conn) -> None: ...
-    @overload
-    def clear(self, conn: AConn) -> Awaitable[None]: ...
-    def clear(self, conn: Conn | AConn) -> Awaitable[None] | None:
-        """Remove the channel's own policy: the queue default applies again."""
-        return execute(conn, channel_clear_op(self._schema, self._queue, self._channel))
+    def _clear_op(self) -> Op[None]:
+        return channel_clear_op(self._schema, self._queue, self._channel)
 
     def get(self, conn: Conn) -> Policy | None:
         """The channel's own policy, or None when it follows the queue default."""

@@ -71,13 +71,7 @@ def publish_op(
         exchange,
         routing_key,
         None if channel is None else _checks.name(channel, "channel"),
-        _checks.optional_name(name, "message"),
-        _checks.content(content, max_message_bytes),
-        _checks.integer(priority, "priority", low=0, high=_checks.MAX_PRIORITY),
-        _checks.milliseconds(delay_ms, "delay_ms", low=0, high=_checks.MAX_DELAY_MS),
-        None
-        if ttl_ms is None
-        else _checks.milliseconds(ttl_ms, "ttl_ms", low=0, high=_checks.MAX_DELAY_MS),
+        *_checks.message(name, content, priority, delay_ms, ttl_ms, max_message_bytes),
     )
 
     def parse(rows: Rows) -> Routed:

@@ -120,15 +120,13 @@ def _log(level: int, event: str, text: str, *args: Any, **fields: Any) -> None:
     logger.log(level, text, *args, extra=fields)
 
 
-def enqueued(queue: str, channel: str, message_id: int) -> None:
-    m = metrics()
-    if m is not None:
-        m.published.labels(queue).inc()
+def _debug(event: str, message_id: int, queue: str | None, channel: str | None) -> None:
+    """Log ``<event> message <id> (queue=... channel=...)`` at DEBUG."""
     if logger.isEnabledFor(logging.DEBUG):
         _log(
             logging.DEBUG,
-            "enqueued",
-            "enqueued message %d (queue=%s channel=%s)",
+            event,
+            event + " message %d (queue=%s channel=%s)",
             message_id,
             queue,
             channel,
@@ -136,6 +134,13 @@ def enqueued(queue: str, channel: str, message_id: int) -> None:
             queue=queue,
             channel=channel,
         )
+
+
+def enqueued(queue: str, channel: str, message_id: int) -> None:
+    m = metrics()
+    if m is not None:
+        m.published.labels(queue).inc()
+    _debug("enqueued", message_id, queue, channel)
 
 
 def channel_full(queue: str, channel: str) -> None:
@@ -160,52 +165,36 @@ def dequeued(message_id: int, queue: str, channel: str, attempts: int, lock_expi
         if lock_expired:
             m.redelivered.labels(queue).inc()
     if lock_expired:
-        _log(
-            logging.WARNING,
-            "redelivered",
+        level, event = logging.WARNING, "redelivered"
+        text = (
             "redelivered message %d after its lock expired, attempt %d (queue=%s channel=%s): "
-            "its previous holder died or hung",
-            message_id,
-            attempts,
-            queue,
-            channel,
-            message_id=message_id,
-            queue=queue,
-            channel=channel,
-            attempts=attempts,
+            "its previous holder died or hung"
         )
     elif logger.isEnabledFor(logging.DEBUG):
-        _log(
-            logging.DEBUG,
-            "dequeued",
-            "dequeued message %d, attempt %d (queue=%s channel=%s)",
-            message_id,
-            attempts,
-            queue,
-            channel,
-            message_id=message_id,
-            queue=queue,
-            channel=channel,
-            attempts=attempts,
-        )
+        level, event = logging.DEBUG, "dequeued"
+        text = "dequeued message %d, attempt %d (queue=%s channel=%s)"
+    else:
+        return
+    _log(
+        level,
+        event,
+        text,
+        message_id,
+        attempts,
+        queue,
+        channel,
+        message_id=message_id,
+        queue=queue,
+        channel=channel,
+        attempts=attempts,
+    )
 
 
 def acked(message_id: int, queue: str | None, channel: str | None) -> None:
     m = metrics()
     if m is not None and queue is not None:
         m.acked.labels(queue).inc()
-    if logger.isEnabledFor(logging.DEBUG):
-        _log(
-            logging.DEBUG,
-            "acked",
-            "acked message %d (queue=%s channel=%s)",
-            message_id,
-            queue,
-            channel,
-            message_id=message_id,
-            queue=queue,
-            channel=channel,
-        )
+    _debug("acked", message_id, queue, channel)
 
 
 def deferred(message_id: int, queue: str | None, channel: str | None, why: str) -> None:
