@@ -1,8 +1,12 @@
+# mypy: allow-untyped-calls
+# (kombu is untyped)
 """Test fixtures: a real Postgres ($LONNYMQ_TEST_DSN, or a throwaway server started here) and
-one fresh schema per test, dropped afterwards."""
+one fresh schema per test, dropped afterwards; connections to it (psycopg, kombu, as a role of
+lonnymq.grant) closed after the test; and the small helpers the test modules share."""
 
 from __future__ import annotations
 
+import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -10,9 +14,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from kombu.connection import Connection
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 import lonnymq
+from lonnymq.queue import QueueStatus
 from lonnymq.testing import database
 
 Conn = psycopg.Connection[Any]
@@ -96,3 +103,119 @@ def broker(schema: str, conn: Conn) -> lonnymq.Broker:
 @pytest.fixture
 def queue(broker: lonnymq.Broker) -> lonnymq.Queue:
     return broker.queue("default")
+
+
+# --- kombu connections -------------------------------------------------------------------------
+
+
+def lonnymq_url(dsn: str) -> str:
+    """The kombu URL (``lonnymq://``) of a ``postgresql://`` DSN."""
+    scheme, rest = dsn.split("://", 1)
+    assert scheme in ("postgresql", "postgres"), dsn
+    return f"lonnymq://{rest}"
+
+
+@pytest.fixture
+def url(pg_dsn: str) -> str:
+    """The kombu URL of the test database."""
+    return lonnymq_url(pg_dsn)
+
+
+@pytest.fixture
+def kombu_defaults() -> dict[str, Any]:
+    """The transport options :func:`make_connection` sets unless told otherwise, besides the
+    schema (a module overrides this fixture for other defaults)."""
+    return {"visibility_timeout": 30}
+
+
+@pytest.fixture
+def make_connection(
+    pg_dsn: str, schema: str, kombu_defaults: dict[str, Any]
+) -> Iterator[Callable[..., Connection]]:
+    """kombu Connections to the test database on the test's schema (with
+    :func:`kombu_defaults`), released after the test."""
+    opened: list[Connection] = []
+
+    def make(**options: Any) -> Connection:
+        options.setdefault("schema", schema)
+        for key, value in kombu_defaults.items():
+            options.setdefault(key, value)
+        connection = Connection(lonnymq_url(pg_dsn), transport_options=options)
+        opened.append(connection)
+        return connection
+
+    yield make
+    for connection in opened:
+        connection.release()
+
+
+# --- roles (lonnymq.grant) ---------------------------------------------------------------------
+
+
+def dsn_as(pg_dsn: str, role: str) -> str:
+    """The test database's DSN for login role ``role`` (no password)."""
+    params = conninfo_to_dict(pg_dsn)
+    host = params.get("host") or "127.0.0.1"
+    return f"postgresql://{role}@{host}:{params.get('port') or 5432}/{params.get('dbname')}"
+
+
+@pytest.fixture
+def roles(conn: Conn, schema: str) -> Iterator[dict[str, str]]:
+    """Login roles named for this test, on its schema (installed here): producer, worker and
+    admin (granted) and nobody (no grant). Dropped after the test."""
+    suffix = uuid.uuid4().hex[:8]
+    names = {kind: f"lmq_{kind}_{suffix}" for kind in ("producer", "worker", "admin", "nobody")}
+    lonnymq.install(conn, schema)
+    for kind, role in names.items():
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        if kind != "nobody":
+            lonnymq.grant(conn, kind, role, schema=schema)  # type: ignore[arg-type]
+    yield names
+    for role in names.values():
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.fixture
+def connect_as(pg_dsn: str) -> Iterator[Callable[[str], Conn]]:
+    """Open autocommit connections as a role (see :func:`roles`), closed after the test."""
+    opened: list[Conn] = []
+
+    def connect(role: str) -> Conn:
+        c = psycopg.connect(dsn_as(pg_dsn, role), autocommit=True)
+        opened.append(c)
+        return c
+
+    yield connect
+    for c in opened:
+        c.close()
+
+
+def kombu_as(pg_dsn: str, role: str, schema: str) -> Connection:
+    """A kombu Connection as ``role`` on ``schema`` (the caller releases it: ``with``)."""
+    url = lonnymq_url(dsn_as(pg_dsn, role))
+    return Connection(url, transport_options={"schema": schema, "visibility_timeout": 30})
+
+
+# --- small helpers -----------------------------------------------------------------------------
+
+
+def created(result: lonnymq.CreateResult) -> int:
+    """The id of a message a create made (asserting it did)."""
+    assert isinstance(result, lonnymq.Created), result
+    return result.id
+
+
+def status_of(broker: lonnymq.Broker, conn: Conn, queue: str) -> QueueStatus:
+    """The status of one queue (asserting the broker lists it once)."""
+    found = [s for s in broker.status(conn) if s.queue == queue]
+    assert len(found) == 1, [s.queue for s in broker.status(conn)]
+    return found[0]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port

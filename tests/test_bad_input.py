@@ -38,13 +38,10 @@ from lonnymq import (
     SchemaTooNew,
 )
 from tests.apps import close_app
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 MB = 1024 * 1024
-
-
-def url_of(dsn: str) -> str:
-    return "lonnymq://" + dsn.split("://", 1)[1]
 
 
 @dataclass
@@ -60,7 +57,7 @@ class Ctx:
 
     @property
     def url(self) -> str:
-        return url_of(self.pg_dsn)
+        return lonnymq_url(self.pg_dsn)
 
     def kombu(self, url: str | None = None, **options: Any) -> Connection:
         options.setdefault("schema", self.schema)

@@ -16,6 +16,7 @@ import pytest
 from psycopg import sql
 
 import lonnymq
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 
@@ -39,7 +40,7 @@ def _celery(
 
 @pytest.fixture
 def proj(tmp_path: Path, pg_dsn: str, schema: str) -> Path:
-    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    url = lonnymq_url(pg_dsn)
     (tmp_path / "proj.py").write_text(
         "from celery import Celery\n\n"
         f"app = Celery('proj', broker={url!r})\n"

@@ -35,9 +35,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import lonnymq
 from lonnymq.queue import MessageInfo, QueueStatus
 from tests import test_celery_worker as tcw
-from tests.apps import close_app
-from tests.test_celery_monitoring import free_port
-from tests.test_celery_worker import Env, Worker, make_env, stats, wait_for
+from tests.conftest import free_port
+from tests.test_celery_worker import Env, Worker, app_env, stats, wait_for
 
 Conn = psycopg.Connection[Any]
 
@@ -80,11 +79,8 @@ VT = "2"  # visibility_timeout of the workers of the poison test, seconds
 def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
     """The app module of test_celery_worker plus ``EXTRA`` (overrides its ``env``, which the
     ``workers`` fixture uses)."""
-    environment = make_env(tmp_path, pg_dsn, schema, EXTRA)
-    try:
+    with app_env(tmp_path, pg_dsn, schema, EXTRA) as environment:
         yield environment
-    finally:
-        close_app(environment.app)
 
 
 def dead_letters(broker: lonnymq.Broker, conn: Conn) -> list[MessageInfo]:

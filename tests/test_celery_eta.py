@@ -12,7 +12,6 @@ records when it ran.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
@@ -22,36 +21,26 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from tests import test_celery_worker as tcw
-from tests.apps import close_app
-from tests.test_celery_worker import Conn, Env, Worker, make_env, stats, wait_for
+from tests.test_celery_worker import WHEN_TASK, Conn, Env, Worker, app_env, ran_at, stats, wait_for
 
 workers = tcw.workers
 
 NEW_YORK = ZoneInfo("America/New_York")
 AHEAD = 3.0  # seconds
 
-EXTRA = """
+EXTRA = (
+    """
 
 app.conf.timezone = "America/New_York"
-
-
-@app.task(name="t.when", shared=False)
-def when(tag):
-    append("when", json.dumps([tag, time.time()]))
 """
+    + WHEN_TASK
+)
 
 
 @pytest.fixture
 def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
-    environment = make_env(tmp_path, pg_dsn, schema, EXTRA)
-    try:
+    with app_env(tmp_path, pg_dsn, schema, EXTRA) as environment:
         yield environment
-    finally:
-        close_app(environment.app)
-
-
-def ran_at(env: Env) -> dict[str, float]:
-    return {tag: at for tag, at in map(json.loads, env.lines("when"))}
 
 
 def check_app(env: Env) -> None:

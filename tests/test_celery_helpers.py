@@ -12,13 +12,14 @@ from celery import Celery
 import lonnymq
 import lonnymq.celery
 from tests.apps import close_app
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 
 
 @pytest.fixture
 def app(pg_dsn: str, schema: str) -> Iterator[Celery]:
-    app = Celery("helpers", broker="lonnymq://" + pg_dsn.split("://", 1)[1])
+    app = Celery("helpers", broker=lonnymq_url(pg_dsn))
     app.conf.broker_transport_options = {"schema": schema}
     lonnymq.celery.setup(app)
     yield app

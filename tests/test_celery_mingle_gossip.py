@@ -25,7 +25,8 @@ import lonnymq
 import lonnymq.celery
 from lonnymq import celery_steps
 from tests.apps import close_app
-from tests.test_celery_worker import Env, Worker, _stop, launch, make_env, node_of, wait_for
+from tests.conftest import lonnymq_url
+from tests.test_celery_worker import Env, Worker, _stop, app_env, launch, node_of, wait_for
 
 Conn = psycopg.Connection[Any]
 
@@ -51,11 +52,8 @@ app.steps["consumer"].add(GossipWatch)
 
 @pytest.fixture
 def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
-    environment = make_env(tmp_path, pg_dsn, schema, GOSSIP_WATCH)
-    try:
+    with app_env(tmp_path, pg_dsn, schema, GOSSIP_WATCH) as environment:
         yield environment
-    finally:
-        close_app(environment.app)
 
 
 @pytest.fixture
@@ -162,7 +160,7 @@ def worker_init(app: Celery) -> None:
 
 def test_steps_are_added_for_lonnymq_workers_only(pg_dsn: str) -> None:
     assert lonnymq.celery.setup is not None  # importing lonnymq.celery connects the signal
-    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    url = lonnymq_url(pg_dsn)
     apps = {
         "lonnymq": Celery("lmq", broker=url, set_as_current=False),
         "class path": Celery("lmq2", broker=pg_dsn, set_as_current=False),

@@ -10,7 +10,6 @@ API needs ``FLOWER_UNAUTHENTICATED_API=true`` when Flower runs without authentic
 from __future__ import annotations
 
 import json
-import socket
 import urllib.error
 import urllib.request
 import uuid
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from tests import test_celery_worker as tcw
+from tests.conftest import free_port
 from tests.test_celery_worker import Env, Worker, _stop, launch, wait_for
 
 env = tcw.env
@@ -43,13 +43,6 @@ def monitors(env: Env) -> Iterator[Callable[..., Worker]]:
     finally:
         for proc in started:
             _stop(proc)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def get_json(url: str, timeout: float = 15) -> Any:

@@ -12,7 +12,6 @@ fixtures and launcher of ``tests/test_celery_worker.py``.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -23,32 +22,19 @@ import pytest
 
 import lonnymq
 from tests import test_celery_worker as tcw
-from tests.apps import close_app
-from tests.test_celery_worker import Conn, Env, Worker, make_env, stats, wait_for
+from tests.test_celery_worker import WHEN_TASK, Conn, Env, Worker, app_env, ran_at, stats, wait_for
 
 workers = tcw.workers
 
-EXTRA = """
-
-@app.task(name="t.when", shared=False)
-def when(tag):
-    append("when", json.dumps([tag, time.time()]))
-"""
+EXTRA = WHEN_TASK
 
 HOUR = 3600
 
 
 @pytest.fixture
 def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
-    environment = make_env(tmp_path, pg_dsn, schema, EXTRA)
-    try:
+    with app_env(tmp_path, pg_dsn, schema, EXTRA) as environment:
         yield environment
-    finally:
-        close_app(environment.app)
-
-
-def ran_at(env: Env) -> dict[str, float]:
-    return {tag: at for tag, at in map(json.loads, env.lines("when"))}
 
 
 def schedule(env: Env, conn: Conn, tags: list[str]) -> dict[str, int]:

@@ -35,6 +35,7 @@ from celery import Celery
 
 import lonnymq
 from tests.apps import close_app
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 
@@ -200,7 +201,7 @@ def make_env(tmp_path: Path, pg_dsn: str, schema: str, extra_source: str = "") -
     """Write ``APP`` (plus ``extra_source``, appended to the module) to ``tmp_path`` as a
     module of a unique name and import it here."""
     module = f"lmqapp_{uuid.uuid4().hex[:10]}"
-    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    url = lonnymq_url(pg_dsn)
     source = (
         APP.replace("__OUT__", repr(str(tmp_path)))
         .replace("__URL__", repr(url))
@@ -215,13 +216,35 @@ def make_env(tmp_path: Path, pg_dsn: str, schema: str, extra_source: str = "") -
     return Env(tmp_path, module, mod, schema)
 
 
-@pytest.fixture
-def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
-    environment = make_env(tmp_path, pg_dsn, schema)
+@contextlib.contextmanager
+def app_env(tmp_path: Path, pg_dsn: str, schema: str, extra_source: str = "") -> Iterator[Env]:
+    """:func:`make_env`, its app closed at the end (with the broker connections it holds)."""
+    environment = make_env(tmp_path, pg_dsn, schema, extra_source)
     try:
         yield environment
     finally:
         close_app(environment.app)
+
+
+@pytest.fixture
+def env(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[Env]:
+    with app_env(tmp_path, pg_dsn, schema) as environment:
+        yield environment
+
+
+#: App source (for ``make_env``'s ``extra_source``): a task ``t.when`` that notes when it ran,
+#: read back by :func:`ran_at`.
+WHEN_TASK = """
+
+@app.task(name="t.when", shared=False)
+def when(tag):
+    append("when", json.dumps([tag, time.time()]))
+"""
+
+
+def ran_at(env: Env) -> dict[str, float]:
+    """When each ``t.when`` task ran, by its tag."""
+    return {tag: at for tag, at in map(json.loads, env.lines("when"))}
 
 
 def _stop(worker: Worker, sig: int = signal.SIGTERM) -> None:

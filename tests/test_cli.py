@@ -11,6 +11,7 @@ from typing import Any
 import psycopg
 
 import lonnymq
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 
@@ -40,7 +41,7 @@ def test_migrate_then_up_to_date(pg_dsn: str, schema: str, conn: Conn) -> None:
     assert first.returncode == 0, first.stderr
     assert "applied 0001_initial" in first.stdout
     assert lonnymq.migrator.installed_version(conn, schema) == lonnymq.CURRENT_VERSION
-    again = cli("migrate", "--dsn", "lonnymq://" + pg_dsn.split("://", 1)[1], "--schema", schema)
+    again = cli("migrate", "--dsn", lonnymq_url(pg_dsn), "--schema", schema)
     assert again.returncode == 0 and "up to date" in again.stdout
     assert "up to date" in cli("migrate", "--dsn", pg_dsn, "--schema", schema, "--print-sql").stdout
 

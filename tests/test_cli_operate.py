@@ -11,7 +11,6 @@ import os
 import pty
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from kombu.entity import Exchange, Queue
 
 import lonnymq
 from lonnymq.queue import QueueSettings, QueueStatus
+from tests.conftest import created, free_port, lonnymq_url
 
 Conn = psycopg.Connection[Any]
 Proc = subprocess.CompletedProcess[str]
@@ -131,11 +131,6 @@ def parse_table(text: str, right: Collection[str]) -> list[dict[str, str]]:
                 row[name] = line[start:].split("  ")[0]
         rows.append(row)
     return rows
-
-
-def created(result: lonnymq.CreateResult) -> int:
-    assert isinstance(result, lonnymq.Created), result
-    return result.id
 
 
 @dataclass
@@ -592,7 +587,7 @@ def test_messages_show_celery_message_and_dead_letters(
         "origin": "gen1@host",
     }
     body = [[2, 3], {"z": 1}, {"callbacks": None, "errbacks": None, "chain": None}]
-    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    url = lonnymq_url(pg_dsn)
     with Connection(url, transport_options={"schema": schema}) as connection:
         queue = Queue("celery", Exchange("celery", type="direct"), "celery")
         connection.Producer().publish(
@@ -856,13 +851,6 @@ def test_housekeep_counts_expired_messages(lmq: Lmq, conn: Conn, broker: lonnymq
 
 
 # -- metrics ----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def samples(text: str) -> dict[str, float]:

@@ -16,19 +16,14 @@ import pytest
 from psycopg import sql
 
 import lonnymq
-from lonnymq import Created, Dropped, Outcome
-from lonnymq.queue import Counters, QueueStatus
+from lonnymq import Dropped, Outcome
+from lonnymq.queue import Counters
+from tests.conftest import created, status_of
 
 Conn = psycopg.Connection[Any]
 
 LOCK_MS = 60
 EXPIRY_S = 0.1
-
-
-def status_of(broker: lonnymq.Broker, conn: Conn, queue: str) -> QueueStatus:
-    found = [s for s in broker.status(conn) if s.queue == queue]
-    assert len(found) == 1, [s.queue for s in broker.status(conn)]
-    return found[0]
 
 
 def counters(broker: lonnymq.Broker, conn: Conn, queue: str) -> Counters:
@@ -68,11 +63,6 @@ def channel_rows(conn: Conn, schema: str) -> list[str]:
         ).format(s=sql.Identifier(schema))
     ).fetchall()
     return [r[0] for r in rows]
-
-
-def created(result: lonnymq.CreateResult) -> int:
-    assert isinstance(result, Created), result
-    return result.id
 
 
 def test_fresh_queue_counts_nothing(

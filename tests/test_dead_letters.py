@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -24,12 +24,11 @@ from lonnymq.queue import (
     DeadLettered,
     MessageDetail,
     QueueSettings,
-    QueueStatus,
     RetryResult,
 )
 from lonnymq.roles import FUNCTIONS, KINDS, Kind
 from tests import invariants
-from tests.test_roles import dsn_as, kombu_as
+from tests.conftest import created, dsn_as, kombu_as, lonnymq_url, status_of
 
 Conn = psycopg.Connection[Any]
 
@@ -42,21 +41,10 @@ DEFAULTS = QueueSettings(dead_letter=True, max_attempts=20, dead_retention_ms=14
 # --- helpers -----------------------------------------------------------------------------------
 
 
-def status_of(broker: lonnymq.Broker, conn: Conn, queue: str) -> QueueStatus:
-    found = [s for s in broker.status(conn) if s.queue == queue]
-    assert len(found) == 1, [s.queue for s in broker.status(conn)]
-    return found[0]
-
-
 def detail(broker: lonnymq.Broker, conn: Conn, message_id: int) -> MessageDetail:
     found = broker.message(conn, message_id)
     assert found is not None, message_id
     return found
-
-
-def created(result: lonnymq.CreateResult) -> int:
-    assert isinstance(result, Created), result
-    return result.id
 
 
 def one(result: lonnymq.DequeueResult) -> lonnymq.Message:
@@ -873,35 +861,6 @@ def test_dequeue_v1_hides_dead_lettered_rows(
 # --- roles -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def roles(conn: Conn, schema: str) -> Iterator[dict[str, str]]:
-    """Login roles for this test (producer, worker, admin), granted on a fresh schema."""
-    suffix = uuid.uuid4().hex[:8]
-    names = {kind: f"lmq_dl_{kind}_{suffix}" for kind in ("producer", "worker", "admin")}
-    lonnymq.install(conn, schema)
-    for kind, role in names.items():
-        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        lonnymq.grant(conn, kind, role, schema=schema)  # type: ignore[arg-type]
-    yield names
-    for role in names.values():
-        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
-
-
-@pytest.fixture
-def connect_as(pg_dsn: str) -> Iterator[Callable[[str], Conn]]:
-    opened: list[Conn] = []
-
-    def connect(role: str) -> Conn:
-        c = psycopg.connect(dsn_as(pg_dsn, role), autocommit=True)
-        opened.append(c)
-        return c
-
-    yield connect
-    for c in opened:
-        c.close()
-
-
 def test_worker_dequeues_rejects_and_housekeeps_producer_reads_status(
     roles: dict[str, str], connect_as: Callable[[str], Conn], schema: str
 ) -> None:
@@ -990,7 +949,7 @@ def test_kombu_worker_role_rejects_to_the_dead_letters_and_housekeeps(
         jobs.put({"n": 2})
         jobs.close()
 
-    url = "lonnymq://" + dsn_as(pg_dsn, roles["worker"]).split("://", 1)[1]
+    url = lonnymq_url(dsn_as(pg_dsn, roles["worker"]))
     options = {
         "schema": schema,
         "visibility_timeout": 30,

@@ -12,13 +12,14 @@ from kombu.entity import Queue
 
 import lonnymq
 from tests.apps import close_app
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 
 
 @pytest.fixture
 def kombu_conn(pg_dsn: str, schema: str) -> Iterator[Connection]:
-    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    url = lonnymq_url(pg_dsn)
     with Connection(url, transport_options={"schema": schema}) as connection:
         connection.connect()
         yield connection
@@ -83,7 +84,7 @@ def test_celery_task_in_caller_transaction(
 ) -> None:
     from celery import Celery
 
-    app = Celery("txapp", broker="lonnymq://" + pg_dsn.split("://", 1)[1])
+    app = Celery("txapp", broker=lonnymq_url(pg_dsn))
     app.conf.broker_transport_options = {"schema": schema}
 
     @app.task(name="txapp.send_invoice")  # type: ignore[untyped-decorator]
@@ -135,7 +136,7 @@ def test_async_publish_of_a_celery_task(
 
     import lonnymq.celery
 
-    app = Celery("asyncapp", broker="lonnymq://" + pg_dsn.split("://", 1)[1])
+    app = Celery("asyncapp", broker=lonnymq_url(pg_dsn))
     app.conf.broker_transport_options = {"schema": schema}
 
     @app.task(name="asyncapp.mul")  # type: ignore[untyped-decorator]

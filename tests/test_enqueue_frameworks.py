@@ -17,6 +17,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 import lonnymq
 from tests.apps import close_app
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 Task = Any  # a Celery task (celery is untyped)
@@ -41,7 +42,7 @@ def task(pg_dsn: str, schema: str, conn: Conn) -> Iterator[Task]:
     any transaction) that installs the schema and declares the ``celery`` queue and binding."""
     from celery import Celery
 
-    app = Celery("fwapp", broker="lonnymq://" + pg_dsn.split("://", 1)[1])
+    app = Celery("fwapp", broker=lonnymq_url(pg_dsn))
     app.conf.broker_transport_options = {"schema": schema}
 
     @app.task(name="fwapp.send_invoice")  # type: ignore[untyped-decorator]

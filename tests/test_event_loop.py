@@ -20,26 +20,14 @@ from kombu.entity import Queue
 
 import lonnymq
 from lonnymq.transport import Transport
-from tests.test_transport import url_of
 
 Conn = psycopg.Connection[Any]
 
 
 @pytest.fixture
-def make_connection(pg_dsn: str, schema: str) -> Iterator[Callable[..., Connection]]:
-    opened: list[Connection] = []
-
-    def make(**options: Any) -> Connection:
-        options.setdefault("schema", schema)
-        options.setdefault("visibility_timeout", 30)
-        options.setdefault("polling_interval", 30)  # no fallback poll hides a missed wake-up
-        connection = Connection(url_of(pg_dsn), transport_options=options)
-        opened.append(connection)
-        return connection
-
-    yield make
-    for connection in opened:
-        connection.release()
+def kombu_defaults() -> dict[str, Any]:
+    """make_connection's defaults here: no fallback poll hides a missed wake-up."""
+    return {"visibility_timeout": 30, "polling_interval": 30}
 
 
 @pytest.fixture

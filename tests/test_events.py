@@ -35,27 +35,12 @@ Conn = psycopg.Connection[Any]
 EVENTS = "lonnymq.events"
 
 
-def url_of(dsn: str) -> str:
-    return "lonnymq://" + dsn.split("://", 1)[1]
-
-
 @pytest.fixture
 def make_connection(
-    pg_dsn: str, schema: str, broker: lonnymq.Broker
-) -> Iterator[Callable[..., Connection]]:
-    """kombu connections on the test's (installed) schema, released after the test."""
-    opened: list[Connection] = []
-
-    def make(**options: Any) -> Connection:
-        options.setdefault("schema", schema)
-        options.setdefault("visibility_timeout", 30)
-        connection = Connection(url_of(pg_dsn), transport_options=options)
-        opened.append(connection)
-        return connection
-
-    yield make
-    for connection in opened:
-        connection.release()
+    broker: lonnymq.Broker, make_connection: Callable[..., Connection]
+) -> Callable[..., Connection]:
+    """kombu connections (the shared fixture) on the test's schema, installed first."""
+    return make_connection
 
 
 @pytest.fixture

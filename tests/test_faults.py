@@ -39,7 +39,6 @@ import multiprocessing
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -57,14 +56,16 @@ from lonnymq.testing import TempPostgres
 from tests import _fault_procs
 from tests import test_celery_worker as tcw
 from tests.apps import close_app
+from tests.conftest import lonnymq_url
 from tests.test_concurrency import Sampler, counter_mismatches, ident, message_ids
 from tests.test_transport_processes import (
     WORKER,
     Event,
     assert_empty,
     ids,
-    kombu_url,
+    kill_running,
     single_queue,
+    start_script,
 )
 from tests.test_transport_processes import Worker as Proc
 
@@ -149,21 +150,8 @@ class Launcher:
     started: list[Proc] = field(default_factory=list)
 
     def __call__(self, name: str, script: str, **cfg: Any) -> Proc:
-        path = self.root / f"fault_{script}.py"
-        if not path.exists():
-            path.write_text({"consumer": WORKER, "producer": PRODUCER}[script])
-        out = self.root / f"{name}.jsonl"
-        log = self.root / f"{name}.log"
-        stop_file = self.root / f"{name}.stop"
-        cfg = {"out": str(out), "stop_file": str(stop_file), **cfg}
-        with log.open("wb") as log_file:
-            popen = subprocess.Popen(
-                [sys.executable, str(path), json.dumps(cfg)],
-                cwd=self.root,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
-        proc = Proc(name, popen, out, log, stop_file)
+        source = {"consumer": WORKER, "producer": PRODUCER}[script]
+        proc = start_script(self.root, f"fault_{script}.py", source, name, cfg)
         self.started.append(proc)
         return proc
 
@@ -172,15 +160,7 @@ class Launcher:
 def launch(tmp_path: Path) -> Iterator[Launcher]:
     launcher = Launcher(tmp_path)
     yield launcher
-    for proc in launcher.started:  # only the processes this test started
-        if proc.popen.poll() is None:
-            proc.popen.kill()
-            proc.popen.wait()
-
-
-@pytest.fixture
-def url(pg_dsn: str) -> str:
-    return kombu_url(pg_dsn)
+    kill_running(launcher.started)
 
 
 def published(producer: Proc) -> list[int]:
@@ -379,7 +359,7 @@ def test_publishes_acknowledged_across_a_postgres_crash_are_not_lost(
     again after. Every publish that returned is consumed; the consumer reconnects by itself."""
     server = TempPostgres().init().start()
     try:
-        url = kombu_url(server.dsn())
+        url = lonnymq_url(server.dsn())
         options = {"schema": schema, "visibility_timeout": 2.0}
         topology = single_queue("crash.direct", "c", "crash")
         consumer = launch(

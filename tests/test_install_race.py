@@ -12,6 +12,7 @@ import pytest
 from psycopg import sql
 
 import lonnymq
+from tests.conftest import lonnymq_url
 
 
 def _first_use(url: str, schema: str, barrier: Any) -> str:
@@ -31,7 +32,7 @@ def _first_use(url: str, schema: str, barrier: Any) -> str:
 @pytest.mark.parametrize("round_", range(3))
 def test_concurrent_first_use_through_the_transport(pg_dsn: str, round_: int) -> None:
     schema = f"lmq_race_{uuid.uuid4().hex[:10]}"
-    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    url = lonnymq_url(pg_dsn)
     ctx = multiprocessing.get_context("spawn")
     try:
         with ctx.Manager() as manager, ctx.Pool(4) as pool:

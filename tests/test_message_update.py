@@ -27,13 +27,9 @@ import pytest
 import lonnymq
 from lonnymq import InvalidArgument, MessageLocked, MessageNotFound, Outcome
 from tests import invariants
+from tests.conftest import created
 
 Conn = psycopg.Connection[Any]
-
-
-def created(result: lonnymq.CreateResult) -> int:
-    assert isinstance(result, lonnymq.Created), result
-    return result.id
 
 
 def contents(result: lonnymq.DequeueResult) -> list[bytes]:

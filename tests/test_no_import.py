@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 
 import lonnymq
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 
@@ -31,7 +32,7 @@ def _fresh(code: str) -> subprocess.CompletedProcess[str]:
 def test_alias_needs_the_import_the_class_path_does_not(
     pg_dsn: str, schema: str, conn: Conn
 ) -> None:
-    url = "lonnymq://" + pg_dsn.split("://", 1)[1]
+    url = lonnymq_url(pg_dsn)
     out = _fresh(
         f"""
         import sys

@@ -28,27 +28,15 @@ from psycopg import sql
 
 import lonnymq
 from lonnymq import ChannelFull, InvalidArgument
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 
 
-def url_of(dsn: str) -> str:
-    return "lonnymq://" + dsn.split("://", 1)[1]
-
-
 @pytest.fixture
-def make_connection(pg_dsn: str, schema: str) -> Iterator[Callable[..., Connection]]:
-    opened: list[Connection] = []
-
-    def make(**options: Any) -> Connection:
-        options.setdefault("schema", schema)
-        connection = Connection(url_of(pg_dsn), transport_options=options)
-        opened.append(connection)
-        return connection
-
-    yield make
-    for connection in opened:
-        connection.release()
+def kombu_defaults() -> dict[str, Any]:
+    """make_connection's defaults here: none but the schema (the transport's own timings)."""
+    return {}
 
 
 def queue_row(conn: Conn, schema: str, queue: str) -> tuple[Any, ...] | None:
@@ -222,7 +210,7 @@ class App:
         self.module = f"lmqexp_{uuid.uuid4().hex[:10]}"
         self.path = directory / f"{self.module}.py"
         self.path.write_text(
-            APP.replace("__URL__", repr(url_of(pg_dsn))).replace("__SCHEMA__", repr(schema))
+            APP.replace("__URL__", repr(lonnymq_url(pg_dsn))).replace("__SCHEMA__", repr(schema))
         )
         self.procs: list[subprocess.Popen[bytes]] = []
 
@@ -311,7 +299,7 @@ def test_pidbox_queue_of_a_killed_worker_is_swept_by_a_producer(
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
     # broadcasts to the dead worker: they pile up in its pidbox queue
-    with Connection(url_of(pg_dsn), transport_options={"schema": schema}) as c:
+    with Connection(lonnymq_url(pg_dsn), transport_options={"schema": schema}) as c:
         producer = c.Producer()
         exchange = Exchange("celery.pidbox", type="fanout")
         for _ in range(5):
@@ -356,7 +344,7 @@ def run_consumer(
 
     def start(queue: str) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, str(script), url_of(pg_dsn), schema, queue],
+            [sys.executable, str(script), lonnymq_url(pg_dsn), schema, queue],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )

@@ -8,63 +8,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from kombu.connection import Connection
 from psycopg import errors as pgerrors
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 import lonnymq
 from lonnymq import PermissionDenied
 from tests.apps import close_app
+from tests.conftest import dsn_as, kombu_as
 
 Conn = psycopg.Connection[Any]
-
-
-def dsn_as(pg_dsn: str, role: str) -> str:
-    params = conninfo_to_dict(pg_dsn)
-    host = params.get("host") or "127.0.0.1"
-    return f"postgresql://{role}@{host}:{params.get('port') or 5432}/{params.get('dbname')}"
-
-
-@pytest.fixture
-def roles(conn: Conn, schema: str) -> Iterator[dict[str, str]]:
-    """Login roles named for this test: producer, worker, admin (granted) and nobody."""
-    suffix = uuid.uuid4().hex[:8]
-    names = {kind: f"lmq_{kind}_{suffix}" for kind in ("producer", "worker", "admin", "nobody")}
-    lonnymq.install(conn, schema)
-    for kind, role in names.items():
-        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        if kind != "nobody":
-            lonnymq.grant(conn, kind, role, schema=schema)  # type: ignore[arg-type]
-    yield names
-    for role in names.values():
-        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
-
-
-@pytest.fixture
-def connect_as(pg_dsn: str) -> Iterator[Callable[[str], Conn]]:
-    opened: list[Conn] = []
-
-    def connect(role: str) -> Conn:
-        c = psycopg.connect(dsn_as(pg_dsn, role), autocommit=True)
-        opened.append(c)
-        return c
-
-    yield connect
-    for c in opened:
-        c.close()
-
-
-def kombu_as(pg_dsn: str, role: str, schema: str) -> Connection:
-    url = "lonnymq://" + dsn_as(pg_dsn, role).split("://", 1)[1]
-    return Connection(url, transport_options={"schema": schema, "visibility_timeout": 30})
 
 
 def denied(conn: Conn, query: str, schema: str) -> bool:

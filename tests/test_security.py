@@ -43,10 +43,6 @@ from lonnymq.testing import TempPostgres
 Conn = psycopg.Connection[Any]
 
 
-def url_of(dsn: str) -> str:
-    return "lonnymq://" + dsn.split("://", 1)[1]
-
-
 # -- fuzz: names are data ---------------------------------------------------------------------
 
 # Any text Postgres can store: no NUL (a clear error, tested below) and no lone surrogates

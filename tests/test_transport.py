@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import kombu
@@ -18,28 +18,9 @@ from kombu.entity import Exchange, Queue
 
 import lonnymq
 from lonnymq.transport import Transport
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
-
-
-def url_of(dsn: str) -> str:
-    return "lonnymq://" + dsn.split("://", 1)[1]
-
-
-@pytest.fixture
-def make_connection(pg_dsn: str, schema: str) -> Iterator[Callable[..., Connection]]:
-    opened: list[Connection] = []
-
-    def make(**options: Any) -> Connection:
-        options.setdefault("schema", schema)
-        options.setdefault("visibility_timeout", 30)
-        connection = Connection(url_of(pg_dsn), transport_options=options)
-        opened.append(connection)
-        return connection
-
-    yield make
-    for connection in opened:
-        connection.release()
 
 
 @pytest.fixture
@@ -56,7 +37,7 @@ def drain(connection: Connection, until: Callable[[], bool], timeout: float = 10
 
 
 def test_alias_url_and_class_path(pg_dsn: str, schema: str) -> None:
-    url = url_of(pg_dsn)
+    url = lonnymq_url(pg_dsn)
     with Connection(url, transport_options={"schema": schema}) as c:
         assert isinstance(c.transport, Transport)
         c.connect()
@@ -72,7 +53,7 @@ def test_as_uri_masks_password() -> None:
 
 
 def test_libpq_parameters_pass_through(pg_dsn: str, schema: str) -> None:
-    url = url_of(pg_dsn) + "?application_name=from-url&connect_timeout=5"
+    url = lonnymq_url(pg_dsn) + "?application_name=from-url&connect_timeout=5"
     with Connection(url, transport_options={"schema": schema}) as c:
         c.connect()
         pg = c.transport.pg.connection()
@@ -114,7 +95,7 @@ def test_separate_fields(pg_dsn: str, schema: str) -> None:
 )
 def test_bad_options(pg_dsn: str, options: dict[str, Any], match: str) -> None:
     with pytest.raises(lonnymq.ConfigurationError, match=match):
-        Connection(url_of(pg_dsn), transport_options=options).connect()
+        Connection(lonnymq_url(pg_dsn), transport_options=options).connect()
 
 
 def test_bad_url() -> None:
@@ -694,7 +675,7 @@ def test_policies_from_transport_options(
 )
 def test_bad_policies_option(pg_dsn: str, policies: Any) -> None:
     with pytest.raises(lonnymq.ConfigurationError, match="policies"):
-        Connection(url_of(pg_dsn), transport_options={"policies": policies}).connect()
+        Connection(lonnymq_url(pg_dsn), transport_options={"policies": policies}).connect()
 
 
 def test_undecodable_message_is_put_aside(

@@ -40,6 +40,7 @@ from kombu.entity import Exchange, Queue
 
 import lonnymq
 from lonnymq.testing import TempPostgres
+from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
 Event = dict[str, Any]
@@ -233,12 +234,6 @@ out.close()
 # Helpers
 
 
-def kombu_url(dsn: str) -> str:
-    scheme, rest = dsn.split("://", 1)
-    assert scheme in ("postgresql", "postgres"), dsn
-    return f"lonnymq://{rest}"
-
-
 def with_libpq_options(url: str, options: str) -> str:
     """``url`` with a libpq ``options`` parameter (e.g. ``-c synchronous_commit=off``)."""
     return f"{url}{'&' if '?' in url else '?'}options={quote(options, safe='')}"
@@ -311,27 +306,42 @@ class Worker:
         assert not self.events("gave_up"), f"{self.name} hit max_seconds\n{self.log_tail()}"
 
 
+def start_script(root: Path, script: str, source: str, name: str, cfg: dict[str, Any]) -> Worker:
+    """Run ``source`` (written to ``root/script`` the first time) as process ``name`` with
+    ``cfg``: its events go to ``name.jsonl``, its output to ``name.log``; ``name.stop`` asks
+    it to stop."""
+    path = root / script
+    if not path.exists():
+        path.write_text(source)
+    out = root / f"{name}.jsonl"
+    log = root / f"{name}.log"
+    stop_file = root / f"{name}.stop"
+    cfg = {"out": str(out), "stop_file": str(stop_file), **cfg}
+    with log.open("wb") as log_file:
+        popen = subprocess.Popen(
+            [sys.executable, str(path), json.dumps(cfg)],
+            cwd=root,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+    return Worker(name, popen, out, log, stop_file)
+
+
+def kill_running(processes: list[Worker]) -> None:
+    """Kill those of ``processes`` (the ones a test started) still running."""
+    for process in processes:
+        if process.popen.poll() is None:
+            process.popen.kill()
+            process.popen.wait()
+
+
 @dataclass
 class Spawner:
     root: Path
     workers: list[Worker] = field(default_factory=list)
 
     def __call__(self, name: str, **cfg: Any) -> Worker:
-        script = self.root / "lonnymq_worker.py"
-        if not script.exists():
-            script.write_text(WORKER)
-        out = self.root / f"{name}.jsonl"
-        log = self.root / f"{name}.log"
-        stop_file = self.root / f"{name}.stop"
-        cfg = {"out": str(out), "stop_file": str(stop_file), **cfg}
-        with log.open("wb") as log_file:
-            popen = subprocess.Popen(
-                [sys.executable, str(script), json.dumps(cfg)],
-                cwd=self.root,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
-        worker = Worker(name, popen, out, log, stop_file)
+        worker = start_script(self.root, "lonnymq_worker.py", WORKER, name, cfg)
         self.workers.append(worker)
         return worker
 
@@ -340,15 +350,7 @@ class Spawner:
 def spawn(tmp_path: Path) -> Iterator[Spawner]:
     spawner = Spawner(tmp_path)
     yield spawner
-    for worker in spawner.workers:  # only the processes this test started
-        if worker.popen.poll() is None:
-            worker.popen.kill()
-            worker.popen.wait()
-
-
-@pytest.fixture
-def url(pg_dsn: str) -> str:
-    return kombu_url(pg_dsn)
+    kill_running(spawner.workers)
 
 
 RETRY = {"max_retries": 100, "interval_start": 0.05, "interval_step": 0.1, "interval_max": 1.0}
@@ -637,7 +639,7 @@ def test_consumer_survives_postgres_restart(spawn: Spawner, schema: str) -> None
     while they are being consumed, 200 more published (kombu retry): all 400 consumed."""
     server = TempPostgres().init().start()
     try:
-        url = kombu_url(server.dsn())
+        url = lonnymq_url(server.dsn())
         options = {"schema": schema, "visibility_timeout": 2.0}
         topology = single_queue("rs.direct", "r", "restart")
         consumer = spawn(
@@ -821,7 +823,7 @@ def test_message_published_while_listen_connection_opens_is_not_missed(
             (schema,),
         ).fetchone()
         assert listening == (0,), "the LISTEN connection was already open: no race to test"
-        with publisher(kombu_url(pg_dsn), options) as publish:
+        with publisher(lonnymq_url(pg_dsn), options) as publish:
             publish("lw.direct", "w", 1)
         consumer.join(timeout=polling + 5)
     finally:
