@@ -462,6 +462,10 @@ def test_each_connection_cut_in_turn_recovers(
         (consumer, "command"),
         (consumer, "listen"),
     ):
+        # (a consumer that reconnected opens its LISTEN connection again when it next waits
+        # between messages: not at once)
+        pid = who.popen.pid
+        wait_until(lambda: len(backends(conn, pid, role)) == 1, 20, role, who)  # noqa: B023
         old = cut(conn, who.popen.pid, role)
         pubs, acked = len(published(producer)), acks()
         wait_until(

@@ -417,11 +417,14 @@ $$;
 -- not locked by a committed dequeue; one locked by a dequeue still running counts, so that no
 -- position passes a message that such a dequeue may still give back), the priorities that
 -- still have one, and when the first of them falls due (NULL: none).
+-- (Bitmap scans off, here and in the dequeue: a bitmap heap scan reads and sorts every row from
+-- the position on, where an index scan stops after the first; see migration 7.)
 CREATE FUNCTION {schema}.lane_next_v1(
     p_lane {schema}.lane, p_snap pg_snapshot, OUT next_at timestamptz, OUT prios smallint[],
     OUT pos_at timestamptz[], OUT pos_id bigint[]
 )
-LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
 BEGIN
     SELECT min(n.dequeue_at),
            coalesce(array_agg(p.prio ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL), '{{}}'),
@@ -1299,7 +1302,8 @@ RETURNS TABLE (
     retry_ms bigint,
     event text
 )
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_lock interval := p_lock_ms * interval '1 millisecond';
