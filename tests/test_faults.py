@@ -250,6 +250,11 @@ def replaced(conn: Conn, pid: int, role: str, old: int) -> Callable[[], bool]:
     return check
 
 
+def connected(conn: Conn, pid: int, role: str) -> Callable[[], bool]:
+    """True while process ``pid`` has exactly one ``lonnymq-<role>`` connection."""
+    return lambda: len(backends(conn, pid, role)) == 1
+
+
 # --------------------------------------------------------------------------------------------
 # 1. A Celery worker SIGKILLed repeatedly during a run
 
@@ -455,7 +460,7 @@ def test_each_connection_cut_in_turn_recovers(
 
     wait_until(lambda: acks() >= 30, 30, "30 acks", consumer)
     # The consumer waits on LISTEN between messages: its LISTEN connection is open.
-    wait_until(lambda: len(backends(conn, consumer.popen.pid, "listen")) == 1, 10, "LISTEN")
+    wait_until(connected(conn, consumer.popen.pid, "listen"), 10, "LISTEN")
     steps: list[str] = []
     for who, role in (
         (producer, "command"),
@@ -464,8 +469,7 @@ def test_each_connection_cut_in_turn_recovers(
     ):
         # (a consumer that reconnected opens its LISTEN connection again when it next waits
         # between messages: not at once)
-        pid = who.popen.pid
-        wait_until(lambda: len(backends(conn, pid, role)) == 1, 20, role, who)  # noqa: B023
+        wait_until(connected(conn, who.popen.pid, role), 20, role, who)
         old = cut(conn, who.popen.pid, role)
         pubs, acked = len(published(producer)), acks()
         wait_until(
