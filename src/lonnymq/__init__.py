@@ -57,6 +57,7 @@ from .queue import (
     Policy,
     Queue,
     QueueStats,
+    Rate,
 )
 from .roles import grant, revoke
 
@@ -114,6 +115,7 @@ __all__ = [
     "Policy",
     "Queue",
     "QueueStats",
+    "Rate",
     "SchemaError",
     "SchemaNotInstalled",
     "SchemaTooNew",

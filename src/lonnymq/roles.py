@@ -47,6 +47,7 @@ _PRODUCER = (
     "queue_stats_v1",
     "queue_status_v1",
     "horizon_v1",
+    "rate_held_v1",
 )
 _WORKER = (
     *_PRODUCER,
@@ -67,13 +68,17 @@ _WORKER = (
 _ADMIN = (
     *_WORKER,
     "channel_policy_set_v1",
+    "channel_policy_set_v2",
     "channel_policy_clear_v1",
     "channel_get_v1",
+    "channel_get_v2",
     "queue_policy_set_v1",
+    "queue_policy_set_v2",
     "queue_purge_v1",
     "queue_delete_v1",
     "exchange_delete_v1",
     "channel_list_v1",
+    "channel_list_v2",
     "message_list_v1",
     "message_get_v1",
     "message_remove_v1",

@@ -12,6 +12,7 @@ from datetime import datetime
 from .. import migrator, roles
 from ..exceptions import InvalidArgument, LonnyMQError
 from ..queue.operate import STATES
+from ..queue.rate import Rate
 from . import term
 from .messages import (
     cmd_messages_delete,
@@ -42,6 +43,15 @@ def _limit(text: str) -> int | None:
     if text.lower() in ("none", "null", "unlimited", "-"):
         return None
     return _int(text, 0)
+
+
+def _rate(text: str) -> Rate | None:
+    if text.lower() in ("none", "null", "unlimited", "-"):
+        return None
+    try:
+        return Rate.parse(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive(text: str) -> int:
@@ -174,6 +184,20 @@ def parser(dsn: str | None = None, schema: str | None = None) -> argparse.Argume
         if action == "set":
             p.add_argument("--max-concurrency", type=_limit, default=None, metavar="N|none")
             p.add_argument("--max-size", type=_limit, default=None, metavar="N|none")
+            p.add_argument(
+                "--rate",
+                type=_rate,
+                default=None,
+                metavar="N/s|N/m|N/h|none",
+                help="at most N deliveries per second, minute or hour, across every consumer",
+            )
+            p.add_argument(
+                "--burst",
+                type=_positive,
+                default=None,
+                metavar="N",
+                help="deliveries at once after the channel was idle (with --rate; default 1)",
+            )
         p.set_defaults(func=cmd_policy)
 
     queue = sub.add_parser("queue", help="a queue's settings: dead letters, attempts, retention")

@@ -18,7 +18,14 @@ def cmd_policy(args: argparse.Namespace) -> int:
     with connect(args) as conn:
         broker.check(conn)
         if args.action == "set":
-            limits = {"max_concurrency": args.max_concurrency, "max_size": args.max_size}
+            if args.burst is not None and args.rate is None:
+                usage_error("--burst needs --rate (e.g. --rate 10/s --burst 5)")
+            limits = {
+                "max_concurrency": args.max_concurrency,
+                "max_size": args.max_size,
+                "rate": args.rate,
+                "burst": args.burst,
+            }
             if args.channel:
                 queue.channel(args.channel).policy.set(conn, **limits)
             else:
@@ -39,6 +46,9 @@ def cmd_policy(args: argparse.Namespace) -> int:
                 "size": info.size,
                 "in_flight": info.in_flight,
             }
+            if info.effective.rate is not None:
+                shown["tokens"] = info.tokens
+                shown["next_token_at"] = info.next_token_at
         else:
             shown = {"queue": args.queue, "queue_default": vars_of(queue.policy.get(conn))}
     print_fields(shown, args.json)
@@ -46,7 +56,12 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def vars_of(policy: Any) -> dict[str, Any]:
-    return {"max_concurrency": policy.max_concurrency, "max_size": policy.max_size}
+    return {
+        "max_concurrency": policy.max_concurrency,
+        "max_size": policy.max_size,
+        "rate": None if policy.rate is None else str(policy.rate),
+        "burst": policy.burst,
+    }
 
 
 def cmd_queue(args: argparse.Namespace) -> int:

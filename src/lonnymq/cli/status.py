@@ -342,11 +342,19 @@ def cmd_channels(args: argparse.Namespace) -> int:
         print(f"queue {args.queue!r} has no channels")
         return 0
     head = [
-        "CHANNEL", "SIZE", "IN FLIGHT", "MAX CONC", "MAX SIZE", "POLICY", "WAITING",
-        "ENQUEUED", "ACKED", "DEAD",
+        "CHANNEL", "SIZE", "IN FLIGHT", "MAX CONC", "MAX SIZE", "RATE", "TOKENS", "POLICY",
+        "WAITING", "ENQUEUED", "ACKED", "DEAD",
     ]  # fmt: skip
     rows = []
     for c in channels:
+        rate = "-" if c.rate is None else f"{c.rate} x{c.burst}"
+        if c.rate is None:
+            tokens = "-"
+        elif c.next_token_at is not None and c.next_token_at > now:
+            # waiting for its next token: in how long
+            tokens = style(f"next in {(c.next_token_at - now).total_seconds():.2f}s", "yellow")
+        else:
+            tokens = term.number(c.tokens)
         full = c.max_size is not None and c.size >= c.max_size
         busy = c.max_concurrency is not None and c.in_flight >= c.max_concurrency
         size = term.number(c.size)
@@ -358,6 +366,8 @@ def cmd_channels(args: argparse.Namespace) -> int:
                 style(conc, "yellow") if busy else conc,
                 term.number(c.max_concurrency),
                 term.number(c.max_size),
+                rate,
+                tokens,
                 "own" if c.has_policy else "queue",
                 term.since(c.waiting_since, now),
                 term.number(c.enqueued),
@@ -365,5 +375,5 @@ def cmd_channels(args: argparse.Namespace) -> int:
                 term.number(c.dead),
             ]
         )
-    print(term.table(head, rows, style, right=frozenset({1, 2, 3, 4, 6, 7, 8, 9})))
+    print(term.table(head, rows, style, right=frozenset({1, 2, 3, 4, 6, 8, 9, 10, 11})))
     return 0

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TextIO
 
+from ..queue.rate import Rate
+
 _CODES = {
     "bold": "1",
     "dim": "2",
@@ -196,6 +198,8 @@ def working(what: str, stream: TextIO | None = None) -> Iterator[None]:
 def jsonable(value: Any) -> Any:
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, Rate):
+        return str(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value).decode("utf-8", "replace")
     return value

@@ -17,6 +17,7 @@ from .operate import (
     UpdateResult,
 )
 from .policy import ChannelInfo, Policy
+from .rate import Rate
 from .results import Created, CreateResult, Deduplicated, Dropped, Outcome, QueueStats
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Pending",
     "Policy",
     "Queue",
+    "Rate",
     "QueueExpiry",
     "QueueSettings",
     "QueueStats",

@@ -17,7 +17,7 @@ from ..exceptions import ChannelFull, InvalidArgument
 from . import _checks
 from ._ops import Op, translate
 from .create import CreateArgs, create_args, create_many_op
-from .policy import channel_clear_op, channel_set_op, queue_set_op
+from .policy import RateArg, channel_clear_op, channel_set_op, queue_set_op
 from .results import CreateResult, Dropped
 
 T = TypeVar("T")
@@ -246,11 +246,16 @@ class BatchQueuePolicy:
         self._queue = queue
 
     def set(
-        self, *, max_concurrency: int | None = None, max_size: int | None = None
+        self,
+        *,
+        max_concurrency: int | None = None,
+        max_size: int | None = None,
+        rate: RateArg = None,
+        burst: int | None = None,
     ) -> Pending[None]:
         """Set the queue-wide default policy (None: no limit)."""
         batch = self._queue._batch
-        op = queue_set_op(batch._schema, self._queue.name, max_concurrency, max_size)
+        op = queue_set_op(batch._schema, self._queue.name, max_concurrency, max_size, rate, burst)
         return batch._add((self._queue.name, 0, "", 0, ""), op)
 
     def clear(self) -> Pending[None]:
@@ -294,12 +299,23 @@ class BatchChannelPolicy:
         self._channel = channel
 
     def set(
-        self, *, max_concurrency: int | None = None, max_size: int | None = None
+        self,
+        *,
+        max_concurrency: int | None = None,
+        max_size: int | None = None,
+        rate: RateArg = None,
+        burst: int | None = None,
     ) -> Pending[None]:
         """Set the channel's own policy (None: no limit)."""
         queue = self._channel._queue
         op = channel_set_op(
-            queue._batch._schema, queue.name, self._channel.name, max_concurrency, max_size
+            queue._batch._schema,
+            queue.name,
+            self._channel.name,
+            max_concurrency,
+            max_size,
+            rate,
+            burst,
         )
         return queue._batch._add((queue.name, 1, self._channel.name, 0, ""), op)
 

@@ -14,12 +14,13 @@ from psycopg.types.json import Jsonb
 from ..exceptions import InvalidArgument, MessageLocked, MessageNotFound
 from . import _checks
 from ._ops import Op, Rows, no_result, render
+from .rate import Rate
 
 State = Literal["ready", "delayed", "locked", "dead"]
 STATES: tuple[State, ...] = ("ready", "delayed", "locked", "dead")
 
 _STATUS: LiteralString = "SELECT * FROM {schema}.queue_status_v1(%s::boolean)"
-_CHANNELS: LiteralString = "SELECT * FROM {schema}.channel_list_v1(%s::text, %s::integer)"
+_CHANNELS: LiteralString = "SELECT * FROM {schema}.channel_list_v2(%s::text, %s::integer)"
 _LIST: LiteralString = (
     "SELECT * FROM {schema}.message_list_v1(%s::text, %s::text, %s::text, %s::bigint, %s::integer)"
 )
@@ -121,6 +122,12 @@ class ChannelStatus:
     dead: int
     expired: int
     dropped: int
+    #: the rate in force (its own or the queue's), and its burst
+    rate: Rate | None = None
+    burst: int | None = None
+    #: deliveries the rate allows now (None: no rate), and when none does, when the next one is
+    tokens: int | None = None
+    next_token_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,12 +239,26 @@ def status_op(schema: str, *, count_ready: bool = True) -> Op[list[QueueStatus]]
     return Op(schema, render(_STATUS, schema), (bool(count_ready),), parse)
 
 
+#: the columns of channel_list_v2 before its rate, in order
+_CHANNEL_FIELDS = ChannelStatus.__slots__[:15]
+
+
 def channels_op(schema: str, queue: str, *, limit: int = 20) -> Op[list[ChannelStatus]]:
     queue = _checks.name(queue, "queue")
     count = _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT)
 
     def parse(rows: Rows) -> list[ChannelStatus]:
-        return [ChannelStatus(*row) for row in rows]
+        out = []
+        for row in rows:
+            count, per_ms, burst, tokens, next_at = row[15:20]
+            values = dict(zip(_CHANNEL_FIELDS, row[:15], strict=True))
+            rate = None if count is None else Rate(count, per_ms)
+            out.append(
+                ChannelStatus(
+                    **values, rate=rate, burst=burst, tokens=tokens, next_token_at=next_at
+                )
+            )
+        return out
 
     return Op(schema, render(_CHANNELS, schema), (queue, count), parse)
 

@@ -1,69 +1,106 @@
-"""Channel policies: max_concurrency (messages held by consumers at once) and max_size
-(messages held in all). Per (queue, channel), with a queue-wide default for channels without
-their own. Enforced inside the SQL functions, under the channel's row lock (only channels with
-a limit in force have one)."""
+"""Channel policies: max_concurrency (messages held by consumers at once), max_size (messages
+held in all) and a rate (deliveries per interval, with a burst). Per (queue, channel), with a
+queue-wide default for channels without their own. Enforced inside the SQL functions, under the
+channel's row lock (only channels with a limit in force have one)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import LiteralString, overload
 
 from . import _checks
 from ._ops import AConn, Conn, Op, Rows, execute, no_result, render, require_sync, run
+from .rate import Rate, burst_or_none, rate_or_none
 
 _CHANNEL_SET: LiteralString = (
-    "SELECT {schema}.channel_policy_set_v1(%s::text, %s::text, %s::integer, %s::integer)"
+    "SELECT {schema}.channel_policy_set_v2(%s::text, %s::text, %s::integer, %s::integer, "
+    "%s::integer, %s::bigint, %s::integer)"
 )
 _CHANNEL_CLEAR: LiteralString = "SELECT {schema}.channel_policy_clear_v1(%s::text, %s::text)"
 _QUEUE_SET: LiteralString = (
-    "SELECT {schema}.queue_policy_set_v1(%s::text, %s::integer, %s::integer)"
+    "SELECT {schema}.queue_policy_set_v2(%s::text, %s::integer, %s::integer, %s::integer, "
+    "%s::bigint, %s::integer)"
 )
 _CHANNEL_GET: LiteralString = (
-    "SELECT has_policy, own_max_concurrency, own_max_size, max_concurrency, max_size, size, "
-    "in_flight FROM {schema}.channel_get_v1(%s::text, %s::text)"
+    "SELECT has_policy, own_max_concurrency, own_max_size, own_rate_count, own_rate_per_ms, "
+    "own_burst, max_concurrency, max_size, rate_count, rate_per_ms, burst, size, in_flight, "
+    "tokens, next_token_at FROM {schema}.channel_get_v2(%s::text, %s::text)"
 )
-_QUEUE_GET: LiteralString = "SELECT max_concurrency, max_size FROM {schema}.queue WHERE name = %s"
+_QUEUE_GET: LiteralString = (
+    "SELECT max_concurrency, max_size, rate_count, rate_per_ms, burst FROM {schema}.queue "
+    "WHERE name = %s"
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """Limits of a channel or a queue default; None means no limit."""
+    """Limits of a channel or a queue default; None means no limit. ``rate``: at most that
+    many deliveries per interval, ``burst`` of them at once (``burst`` is set with a rate)."""
 
     max_concurrency: int | None = None
     max_size: int | None = None
+    rate: Rate | None = None
+    burst: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ChannelInfo:
     """A channel's own policy (None when it has none), the queue default, the limits in
-    force, and its counters."""
+    force, its counters, and the state of its rate: deliveries allowed now (``tokens``, None
+    without a rate) and, when none is, when the next one is (``next_token_at``)."""
 
     own: Policy | None
     default: Policy
     size: int
     in_flight: int
+    tokens: int | None = None
+    next_token_at: datetime | None = None
 
     @property
     def effective(self) -> Policy:
         return self.own if self.own is not None else self.default
 
 
-def _limits(max_concurrency: object, max_size: object) -> tuple[int | None, int | None]:
+Limits = tuple[int | None, int | None, int | None, int | None, int | None]
+
+
+def _limits(max_concurrency: object, max_size: object, rate: object, burst: object) -> Limits:
+    """The SQL arguments of a policy: max_concurrency, max_size, rate count, rate interval in
+    milliseconds, burst (checked in that order)."""
+    conc = _checks.limit_or_none(max_concurrency, "max_concurrency")
+    size = _checks.limit_or_none(max_size, "max_size")
+    parsed = rate_or_none(rate)
     return (
-        _checks.limit_or_none(max_concurrency, "max_concurrency"),
-        _checks.limit_or_none(max_size, "max_size"),
+        conc,
+        size,
+        None if parsed is None else parsed.count,
+        None if parsed is None else parsed.per_ms,
+        burst_or_none(burst, parsed),
     )
+
+
+def policy_of(
+    conc: int | None, size: int | None, count: int | None, per_ms: int | None, burst: int | None
+) -> Policy:
+    rate = None if count is None or per_ms is None else Rate(count, per_ms)
+    return Policy(conc, size, rate, burst if rate is not None else None)
 
 
 def channel_set_op(
-    schema: str, queue: str, channel: str, max_concurrency: object, max_size: object
+    schema: str,
+    queue: str,
+    channel: str,
+    max_concurrency: object,
+    max_size: object,
+    rate: object = None,
+    burst: object = None,
 ) -> Op[None]:
     names = (_checks.name(queue, "queue"), _checks.name(channel, "channel"))
-    return Op(
-        schema, render(_CHANNEL_SET, schema), names + _limits(max_concurrency, max_size), no_result
-    )
+    limits = _limits(max_concurrency, max_size, rate, burst)
+    return Op(schema, render(_CHANNEL_SET, schema), names + limits, no_result)
 
 
 def channel_clear_op(schema: str, queue: str, channel: str) -> Op[None]:
@@ -71,8 +108,15 @@ def channel_clear_op(schema: str, queue: str, channel: str) -> Op[None]:
     return Op(schema, render(_CHANNEL_CLEAR, schema), params, no_result)
 
 
-def queue_set_op(schema: str, queue: str, max_concurrency: object, max_size: object) -> Op[None]:
-    params = (_checks.name(queue, "queue"), *_limits(max_concurrency, max_size))
+def queue_set_op(
+    schema: str,
+    queue: str,
+    max_concurrency: object,
+    max_size: object,
+    rate: object = None,
+    burst: object = None,
+) -> Op[None]:
+    params = (_checks.name(queue, "queue"), *_limits(max_concurrency, max_size, rate, burst))
     return Op(schema, render(_QUEUE_SET, schema), params, no_result)
 
 
@@ -82,18 +126,27 @@ def channel_get_op(schema: str, queue: str, channel: str) -> Op[ChannelInfo]:
     def parse(rows: Rows) -> ChannelInfo:
         if not rows:
             return ChannelInfo(None, Policy(), 0, 0)
-        has, own_c, own_s, def_c, def_s, size, in_flight = rows[0]
-        own = Policy(own_c, own_s) if has else None
-        return ChannelInfo(own, Policy(def_c, def_s), size or 0, in_flight or 0)
+        has, *own, def_c, def_s, def_n, def_ms, def_b, size, in_flight, tokens, next_at = rows[0]
+        return ChannelInfo(
+            policy_of(*own) if has else None,
+            policy_of(def_c, def_s, def_n, def_ms, def_b),
+            size or 0,
+            in_flight or 0,
+            tokens,
+            next_at,
+        )
 
     return Op(schema, render(_CHANNEL_GET, schema), params, parse)
 
 
 def queue_get_op(schema: str, queue: str) -> Op[Policy]:
     def parse(rows: Rows) -> Policy:
-        return Policy(*rows[0]) if rows else Policy()
+        return policy_of(*rows[0]) if rows else Policy()
 
     return Op(schema, render(_QUEUE_GET, schema), (_checks.name(queue, "queue"),), parse)
+
+
+RateArg = Rate | str | None
 
 
 class _PolicyHandle(ABC):
@@ -101,24 +154,47 @@ class _PolicyHandle(ABC):
     an async one."""
 
     @abstractmethod
-    def _set_op(self, max_concurrency: int | None, max_size: int | None) -> Op[None]: ...
+    def _set_op(
+        self, max_concurrency: object, max_size: object, rate: object, burst: object
+    ) -> Op[None]: ...
 
     @abstractmethod
     def _clear_op(self) -> Op[None]: ...
 
     @overload
     def set(
-        self, conn: Conn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+        self,
+        conn: Conn,
+        *,
+        max_concurrency: int | None = ...,
+        max_size: int | None = ...,
+        rate: RateArg = ...,
+        burst: int | None = ...,
     ) -> None: ...
     @overload
     def set(
-        self, conn: AConn, *, max_concurrency: int | None = ..., max_size: int | None = ...
+        self,
+        conn: AConn,
+        *,
+        max_concurrency: int | None = ...,
+        max_size: int | None = ...,
+        rate: RateArg = ...,
+        burst: int | None = ...,
     ) -> Awaitable[None]: ...
     def set(
-        self, conn: Conn | AConn, *, max_concurrency: int | None = None, max_size: int | None = None
+        self,
+        conn: Conn | AConn,
+        *,
+        max_concurrency: int | None = None,
+        max_size: int | None = None,
+        rate: RateArg = None,
+        burst: int | None = None,
     ) -> Awaitable[None] | None:
-        """Set the limits (None: no limit)."""
-        return execute(conn, self._set_op(max_concurrency, max_size))
+        """Set the limits (None: no limit). ``rate``: at most that many deliveries per
+        interval across every consumer (``"10/s"``, ``"600/m"``, ``"1/h"`` or a
+        :class:`lonnymq.Rate`), ``burst`` of them at once (default 1). The policy set replaces
+        the whole previous one: a limit not given is no limit."""
+        return execute(conn, self._set_op(max_concurrency, max_size, rate, burst))
 
     @overload
     def clear(self, conn: Conn) -> None: ...
@@ -136,8 +212,10 @@ class QueuePolicy(_PolicyHandle):
         self._schema = schema
         self._queue = queue
 
-    def _set_op(self, max_concurrency: int | None, max_size: int | None) -> Op[None]:
-        return queue_set_op(self._schema, self._queue, max_concurrency, max_size)
+    def _set_op(
+        self, max_concurrency: object, max_size: object, rate: object, burst: object
+    ) -> Op[None]:
+        return queue_set_op(self._schema, self._queue, max_concurrency, max_size, rate, burst)
 
     def _clear_op(self) -> Op[None]:
         return queue_set_op(self._schema, self._queue, None, None)
@@ -155,8 +233,12 @@ class ChannelPolicy(_PolicyHandle):
         self._queue = queue
         self._channel = channel
 
-    def _set_op(self, max_concurrency: int | None, max_size: int | None) -> Op[None]:
-        return channel_set_op(self._schema, self._queue, self._channel, max_concurrency, max_size)
+    def _set_op(
+        self, max_concurrency: object, max_size: object, rate: object, burst: object
+    ) -> Op[None]:
+        return channel_set_op(
+            self._schema, self._queue, self._channel, max_concurrency, max_size, rate, burst
+        )
 
     def _clear_op(self) -> Op[None]:
         return channel_clear_op(self._schema, self._queue, self._channel)

@@ -70,7 +70,14 @@ CREATE TABLE {schema}.queue (
     -- limit), how long dead letters are kept
     dead_letter boolean NOT NULL DEFAULT true,
     max_attempts integer DEFAULT 20 CHECK (max_attempts > 0),
-    dead_retention_ms bigint NOT NULL DEFAULT 1209600000 CHECK (dead_retention_ms > 0)
+    dead_retention_ms bigint NOT NULL DEFAULT 1209600000 CHECK (dead_retention_ms > 0),
+    -- the queue-wide default rate: at most rate_count deliveries per rate_per_ms of a channel,
+    -- burst at once
+    rate_count integer CHECK (rate_count > 0),
+    rate_per_ms bigint CHECK (rate_per_ms > 0),
+    burst integer CHECK (burst > 0),
+    CONSTRAINT queue_rate_whole CHECK (
+        (rate_count IS NULL) = (rate_per_ms IS NULL) AND (rate_count IS NULL) = (burst IS NULL))
 );
 
 CREATE INDEX queue_expiring_idx ON {schema}.queue (used_at) WHERE expires_ms IS NOT NULL;
@@ -110,7 +117,17 @@ CREATE TABLE {schema}.channel (
     current_size integer NOT NULL DEFAULT 0 CHECK (current_size >= 0),
     current_concurrency integer NOT NULL DEFAULT 0 CHECK (current_concurrency >= 0),
     freed boolean NOT NULL DEFAULT false,
-    PRIMARY KEY (queue, name)
+    own_rate_count integer CHECK (own_rate_count > 0),
+    own_rate_per_ms bigint CHECK (own_rate_per_ms > 0),
+    own_burst integer CHECK (own_burst > 0),
+    -- a rate in force (its own or the queue's): the GCRA's theoretical arrival time, and the
+    -- emission interval it was reckoned with (a changed rate rescales what is owed)
+    rate_tat timestamptz,
+    rate_interval interval,
+    PRIMARY KEY (queue, name),
+    CONSTRAINT channel_rate_whole CHECK (
+        (own_rate_count IS NULL) = (own_rate_per_ms IS NULL)
+        AND (own_rate_count IS NULL) = (own_burst IS NULL))
 );
 
 CREATE INDEX channel_freed_idx ON {schema}.channel (queue, name) WHERE freed;
@@ -200,7 +217,11 @@ CREATE TABLE {schema}.discovery (
 -- (NULL: nothing to hand out, or at max_concurrency); served_at: when a dequeue last took
 -- from it. prios/pos_at/pos_id: per priority present, where its ready messages start (in
 -- message_ready_idx order); nothing ready of that priority lies before it except what the
--- ingest has yet to see (the ingest lowers it). limited: a max_concurrency applies.
+-- ingest has yet to see (the ingest lowers it). limited: a max_concurrency or a rate applies
+-- (only the lane's owner serves it, under its channel row).
+-- A lane stays when its channel empties (its newest version is then found first, whatever
+-- dead versions a held snapshot keeps); housekeeping removes it once the channel has been
+-- empty for a while (lane_idle).
 CREATE TABLE {schema}.lane (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     queue text COLLATE "C" NOT NULL,
@@ -211,12 +232,26 @@ CREATE TABLE {schema}.lane (
     limited boolean NOT NULL DEFAULT false,
     prios smallint[] NOT NULL DEFAULT '{{}}',
     pos_at timestamptz[] NOT NULL DEFAULT '{{}}',
-    pos_id bigint[] NOT NULL DEFAULT '{{}}'
+    pos_id bigint[] NOT NULL DEFAULT '{{}}',
+    -- a rated channel out of tokens: no turn before its next token (the ingest keeps to it)
+    not_before timestamptz
 );
 
 CREATE INDEX lane_latest_idx ON {schema}.lane (queue, channel, id DESC);
 
 CREATE INDEX lane_turn_idx ON {schema}.lane (queue, turn_at, id) WHERE turn_at IS NOT NULL;
+
+-- Channels found empty by a fold, since when: housekeeping (lane_prune_v1) removes the lane
+-- and the counts of those still empty after a while. One row per channel, written when it
+-- empties and when it is looked at, not per message.
+CREATE TABLE {schema}.lane_idle (
+    queue text COLLATE "C" NOT NULL,
+    channel text COLLATE "C" NOT NULL,
+    since timestamptz NOT NULL,
+    PRIMARY KEY (queue, channel)
+);
+
+CREATE INDEX lane_idle_since_idx ON {schema}.lane_idle (since);
 
 -- Event counts, insert-only (one row per call and channel), folded by the ingest into
 -- channel_count; what is not folded yet is read by txid.
@@ -387,14 +422,21 @@ BEGIN
 END;
 $$;
 
--- A lane's live version (NULL when the channel has none).
+-- A lane's live version (NULL when the channel has none): the first entry of lane_latest_idx
+-- from (p_queue, p_channel) on, newest first. (Written as a range in that index's order, which
+-- no other index gives: with `queue = $1 AND channel = $2 ORDER BY id DESC` the planner may read
+-- the primary key backwards and filter, every lane version of every channel written since,
+-- live or dead: 8,000 buffers per ingest three minutes into a held snapshot.)
 CREATE FUNCTION {schema}.lane_get_v1(p_queue text, p_channel text) RETURNS {schema}.lane
 LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
 DECLARE
     v_lane {schema}.lane;
 BEGIN
-    SELECT * INTO v_lane FROM {schema}.lane l WHERE l.queue = p_queue AND l.channel = p_channel
-    ORDER BY l.id DESC LIMIT 1;
+    SELECT * INTO v_lane FROM {schema}.lane l WHERE (l.queue, l.channel) >= (p_queue, p_channel)
+    ORDER BY l.queue, l.channel, l.id DESC LIMIT 1;
+    IF v_lane.queue IS DISTINCT FROM p_queue OR v_lane.channel IS DISTINCT FROM p_channel THEN
+        RETURN NULL;
+    END IF;
     RETURN v_lane;
 END;
 $$;
@@ -407,9 +449,10 @@ BEGIN
     IF p_old_id IS NOT NULL THEN
         DELETE FROM {schema}.lane WHERE id = p_old_id;
     END IF;
-    INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at, pos_id)
+    INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at, pos_id,
+                               not_before)
     VALUES (p_new.queue, p_new.channel, p_new.turn_at, p_new.served_at, p_new.limited,
-            p_new.prios, p_new.pos_at, p_new.pos_id);
+            p_new.prios, p_new.pos_at, p_new.pos_id, p_new.not_before);
 END;
 $$;
 
@@ -491,7 +534,7 @@ BEGIN
         INSERT INTO {schema}.tally (queue, channel, dropped) VALUES (p_queue, p_channel, 1);
         -- a row created by this call and left empty must not linger
         IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
-           AND NOT v_row.freed THEN
+           AND NOT v_row.freed AND (v_row.rate_tat IS NULL OR v_row.rate_tat <= clock_timestamp()) THEN
             DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
         END IF;
         RETURN;
@@ -506,7 +549,7 @@ BEGIN
         UPDATE {schema}.channel c SET current_size = c.current_size + 1
         WHERE c.queue = p_queue AND c.name = p_channel;
     ELSIF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
-          AND NOT v_row.freed THEN
+          AND NOT v_row.freed AND (v_row.rate_tat IS NULL OR v_row.rate_tat <= clock_timestamp()) THEN
         DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
     END IF;
     result_code := 'created';
@@ -768,8 +811,12 @@ DECLARE
     v_cc text[] := ARRAY[]::text[];
     v_cn integer[] := ARRAY[]::integer[];
     v_fold boolean;
+    v_limited boolean;
     v_next record;
     v_next_id bigint;
+    -- lane keys taken (each holds a slot of the server's lock table until commit: at most
+    -- max_locks_per_transaction x max_connections in all, 6,400 by default)
+    v_keys integer := 0;
 BEGIN
     IF p_wait THEN
         PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
@@ -842,8 +889,12 @@ BEGIN
             v_cc := v_cc || r.channel;
             v_cn := v_cn || r.created;
         END IF;
-        -- a lane its owner is serving right now: for the next ingest (no waiting)
-        IF NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel)) THEN
+        -- a lane its owner is serving right now: for the next ingest (no waiting); so are the
+        -- lanes past the first 1,000 of this ingest (a batch across 100,000 new channels would
+        -- otherwise take 100,000 keys in one transaction and fail, at every ingest, with `out
+        -- of shared memory`)
+        IF v_keys >= 1000
+           OR NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel)) THEN
             v_new.pend_queue := v_new.pend_queue || array_fill(r.queue, ARRAY[cardinality(r.prios)]);
             v_new.pend_channel := v_new.pend_channel
                 || array_fill(r.channel, ARRAY[cardinality(r.prios)]);
@@ -852,18 +903,21 @@ BEGIN
             v_new.pend_id := v_new.pend_id || r.pos_id;
             CONTINUE;
         END IF;
+        v_keys := v_keys + 1;
         v_lane := {schema}.lane_get_v1(r.queue, r.channel);
         v_put := v_lane;
         IF v_lane.id IS NULL THEN
-            SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(r.queue, r.channel) l;
-            v_put := ROW(NULL, r.queue, r.channel, NULL, '-infinity', v_now, v_max IS NOT NULL,
-                         '{{}}', '{{}}', '{{}}')::{schema}.lane;
+            SELECT l.max_concurrency IS NOT NULL OR l.rate_count IS NOT NULL INTO v_limited
+            FROM {schema}.channel_limits_v2(r.queue, r.channel) l;
+            v_put := ROW(NULL, r.queue, r.channel, NULL, '-infinity', v_now, v_limited,
+                         '{{}}', '{{}}', '{{}}', NULL)::{schema}.lane;
         END IF;
         SELECT * INTO v_merged FROM {schema}.positions_merge_v1(v_put, r.prios, r.pos_at, r.pos_id);
         v_put.prios := v_merged.prios;
         v_put.pos_at := v_merged.pos_at;
         v_put.pos_id := v_merged.pos_id;
-        v_at := GREATEST(r.due, v_put.served_at, v_tf);
+        -- (a rated lane out of tokens: not before its next one)
+        v_at := GREATEST(r.due, v_put.served_at, v_tf, v_put.not_before);
         IF v_put.turn_at IS NOT NULL THEN
             v_put.turn_at := LEAST(v_put.turn_at, v_at);
         ELSE
@@ -889,7 +943,9 @@ BEGIN
     -- (the lane, then the channel row: the order of the dequeue; an ack locks only the row)
     -- (a lane being served, or a row an ack holds, waits for the next ingest)
     FOR r IN SELECT c.queue, c.name FROM {schema}.channel c WHERE c.freed ORDER BY c.queue, c.name LOOP
+        EXIT WHEN v_keys >= 1000;
         CONTINUE WHEN NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.name));
+        v_keys := v_keys + 1;
         SELECT c.current_concurrency INTO v_in_flight FROM {schema}.channel c
         WHERE c.queue = r.queue AND c.name = r.name AND c.freed FOR UPDATE SKIP LOCKED;
         CONTINUE WHEN NOT FOUND;
@@ -900,7 +956,7 @@ BEGIN
                 SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
                 IF v_next.next_at IS NOT NULL THEN
                     v_i := array_position(v_old.queues, r.queue);
-                    v_lane.turn_at := GREATEST(v_next.next_at, v_lane.served_at,
+                    v_lane.turn_at := GREATEST(v_next.next_at, v_lane.served_at, v_lane.not_before,
                         CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_old.turn_from[v_i] END);
                     PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
                 END IF;
@@ -909,7 +965,8 @@ BEGIN
         UPDATE {schema}.channel c SET freed = false WHERE c.queue = r.queue AND c.name = r.name;
         DELETE FROM {schema}.channel c
         WHERE c.queue = r.queue AND c.name = r.name AND NOT c.has_policy
-          AND c.current_size = 0 AND c.current_concurrency = 0;
+          AND c.current_size = 0 AND c.current_concurrency = 0
+          AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
     END LOOP;
 
     -- the locks taken or extended since the last ingest: per queue, the earliest (and its
@@ -1014,8 +1071,9 @@ END;
 $$;
 
 -- Fold the tallies of the transactions visible in p_snap and not in p_from (with p_q/p_c/p_n
--- enqueued counts of the caller) into channel_count; a channel left empty, without a policy
--- and without a turn, moves its counts to queue_count and loses its lane. Run by the ingest.
+-- enqueued counts of the caller) into channel_count; a channel left empty, without a policy,
+-- is noted in lane_idle (its lane and counts go when it has stayed empty for a while:
+-- lane_prune_v1). Run by the ingest.
 CREATE FUNCTION {schema}.fold_v1(
     p_from pg_snapshot, p_snap pg_snapshot, p_q text[], p_c text[], p_n integer[]
 ) RETURNS void
@@ -1023,8 +1081,8 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = o
 DECLARE
     v_xip xid8[];
     r {schema}.channel_count;
-    v_lane {schema}.lane;
-    v_emptied {schema}.channel_count[] := ARRAY[]::{schema}.channel_count[];
+    v_idle_q text[] := ARRAY[]::text[];
+    v_idle_c text[] := ARRAY[]::text[];
 BEGIN
     v_xip := ARRAY(SELECT x FROM pg_snapshot_xip(p_from) AS x WHERE pg_visible_in_snapshot(x, p_snap));
     FOR r IN
@@ -1063,10 +1121,15 @@ BEGIN
                    o.dropped AS o_dropped, o.removed AS o_removed,
                    o.removed_held AS o_removed_held, o.purged AS o_purged
             FROM delta d
+            -- (the newest row from (queue, channel) on, in channel_count_latest_idx order: a
+            -- range no other index gives, so the primary key is never read backwards instead)
             LEFT JOIN LATERAL (
-                SELECT * FROM {schema}.channel_count c
-                WHERE c.queue = d.queue AND c.channel = d.channel
-                ORDER BY c.id DESC LIMIT 1
+                SELECT x.* FROM (
+                    SELECT * FROM {schema}.channel_count c
+                    WHERE (c.queue, c.channel) >= (d.queue, d.channel)
+                    ORDER BY c.queue, c.channel, c.id DESC LIMIT 1
+                ) AS x
+                WHERE x.queue = d.queue AND x.channel = d.channel
             ) AS o ON true
         ), replaced AS (
             DELETE FROM {schema}.channel_count c USING old o WHERE c.id = o.old_id
@@ -1097,29 +1160,85 @@ BEGIN
         CONTINUE WHEN EXISTS (
             SELECT 1 FROM {schema}.channel c
             WHERE c.queue = r.queue AND c.name = r.channel AND c.has_policy);
-        -- (a lane being served goes at a later fold)
+        -- (its lane stays: deleted now and needed again a moment later, it would be looked up
+        -- through every dead version a held snapshot keeps of it)
+        v_idle_q := v_idle_q || r.queue;
+        v_idle_c := v_idle_c || r.channel;
+    END LOOP;
+    IF cardinality(v_idle_q) > 0 THEN
+        INSERT INTO {schema}.lane_idle (queue, channel, since)
+        SELECT u.q, u.c, clock_timestamp() FROM unnest(v_idle_q, v_idle_c) AS u(q, c)
+        ORDER BY u.q, u.c
+        ON CONFLICT (queue, channel) DO NOTHING;
+    END IF;
+END;
+$$;
+
+-- Remove the lanes and counts of channels that have stayed empty since a fold found them so,
+-- p_idle ago or more (at most p_limit, oldest first): each channel's folded counts go to its
+-- queue's row (one write per queue), its channel row too when nothing holds it (no policy, no
+-- count, no rate owed). A channel whose lane was written after it emptied (a message came) is
+-- left alone; the next fold that finds it empty notes it again. Run by housekeeping, after an
+-- ingest (so every committed message has written its lane). Returns the channels removed.
+CREATE FUNCTION {schema}.lane_prune_v1(p_limit integer, p_idle interval) RETURNS integer
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_d {schema}.discovery;
+    r record;
+    v_lane {schema}.lane;
+    v_count {schema}.channel_count;
+    v_gone {schema}.channel_count[] := ARRAY[]::{schema}.channel_count[];
+    v_n integer := 0;
+BEGIN
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    FOR r IN
+        SELECT i.queue, i.channel, i.since FROM {schema}.lane_idle i
+        WHERE i.since < v_now - p_idle
+        ORDER BY i.since LIMIT p_limit
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        -- (a lane being served is busy, not idle)
         CONTINUE WHEN NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel));
+        DELETE FROM {schema}.lane_idle i WHERE i.queue = r.queue AND i.channel = r.channel;
         v_lane := {schema}.lane_get_v1(r.queue, r.channel);
-        CONTINUE WHEN v_lane.id IS NOT NULL AND v_lane.turn_at IS NOT NULL;
-        -- (by id: a lane has one live version, and a scan of the channel's versions would walk
-        -- the dead ones a held snapshot keeps)
+        CONTINUE WHEN v_lane.id IS NOT NULL
+            AND (v_lane.written_at > r.since OR v_lane.turn_at IS NOT NULL);
+        CONTINUE WHEN EXISTS (
+            SELECT 1 FROM unnest(v_d.pend_queue, v_d.pend_channel) AS p(q, c)
+            WHERE p.q = r.queue AND p.c = r.channel);
+        CONTINUE WHEN EXISTS (
+            SELECT 1 FROM {schema}.channel c
+            WHERE c.queue = r.queue AND c.name = r.channel AND c.has_policy);
         IF v_lane.id IS NOT NULL THEN
             DELETE FROM {schema}.lane l WHERE l.id = v_lane.id;
         END IF;
-        DELETE FROM {schema}.channel_count cc WHERE cc.id = r.id;
-        v_emptied := v_emptied || r;
+        SELECT x.* INTO v_count FROM (
+            SELECT * FROM {schema}.channel_count c
+            WHERE (c.queue, c.channel) >= (r.queue, r.channel)
+            ORDER BY c.queue, c.channel, c.id DESC LIMIT 1
+        ) AS x
+        WHERE x.queue = r.queue AND x.channel = r.channel;
+        IF v_count.id IS NOT NULL THEN
+            DELETE FROM {schema}.channel_count cc WHERE cc.id = v_count.id;
+            v_gone := v_gone || v_count;
+        END IF;
+        DELETE FROM {schema}.channel c
+        WHERE c.queue = r.queue AND c.name = r.channel AND NOT c.has_policy
+          AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+          AND (c.rate_tat IS NULL OR c.rate_tat <= v_now);
+        v_n := v_n + 1;
     END LOOP;
-    -- the emptied channels' counts go to their queue's row in one write per queue: a write per
-    -- channel made that row's version chain grow by the number of channels that emptied each
-    -- second under a held snapshot, and every write walk it (a fold of 1,000 channels took
-    -- 150-800 ms after a minute)
-    IF cardinality(v_emptied) > 0 THEN
+    -- the removed channels' counts go to their queue's row in one write per queue (a write per
+    -- channel would grow that row's chain of versions by every channel removed)
+    IF cardinality(v_gone) > 0 THEN
         INSERT INTO {schema}.queue_count AS qc (queue, enqueued, delivered, redelivered, acked,
             deferred, dead, dead_held, expired, dropped, removed, removed_held, purged)
         SELECT g.queue, sum(g.enqueued), sum(g.delivered), sum(g.redelivered), sum(g.acked),
                sum(g.deferred), sum(g.dead), sum(g.dead_held), sum(g.expired), sum(g.dropped),
                sum(g.removed), sum(g.removed_held), sum(g.purged)
-        FROM unnest(v_emptied) AS g
+        FROM unnest(v_gone) AS g
+        WHERE EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.name = g.queue)
         GROUP BY g.queue ORDER BY g.queue
         ON CONFLICT (queue) DO UPDATE SET
             enqueued = qc.enqueued + EXCLUDED.enqueued,
@@ -1135,6 +1254,7 @@ BEGIN
             removed_held = qc.removed_held + EXCLUDED.removed_held,
             purged = qc.purged + EXCLUDED.purged;
     END IF;
+    RETURN v_n;
 END;
 $$;
 
@@ -1346,6 +1466,12 @@ DECLARE
     v_cap integer[];
     v_room integer[];
     v_max integer[];
+    -- rated lanes: emission interval, burst, tat (at least now) and tokens when the call began
+    v_rt interval[];
+    v_burst integer[];
+    v_tat timestamptz[];
+    v_tok integer[];
+    v_wait timestamptz;
     v_taken integer[];
     v_more boolean[];
     v_done boolean[];
@@ -1575,6 +1701,10 @@ BEGIN
             v_cap := array_fill(0, ARRAY[v_n]);
             v_room := array_fill(NULL::integer, ARRAY[v_n]);
             v_max := array_fill(NULL::integer, ARRAY[v_n]);
+            v_rt := array_fill(NULL::interval, ARRAY[v_n]);
+            v_burst := array_fill(NULL::integer, ARRAY[v_n]);
+            v_tat := array_fill(NULL::timestamptz, ARRAY[v_n]);
+            v_tok := array_fill(NULL::integer, ARRAY[v_n]);
             v_taken := array_fill(0, ARRAY[v_n]);
             v_more := array_fill(false, ARRAY[v_n]);
             v_done := array_fill(false, ARRAY[v_n]);
@@ -1584,8 +1714,9 @@ BEGIN
                 IF NOT (v_cands[i]).limited THEN
                     v_cap[i] := v_left;
                 ELSIF v_own[i] THEN
-                    SELECT h.headroom, h.max_concurrency INTO r
-                    FROM {schema}.channel_headroom_v1((v_cands[i]).queue, (v_cands[i]).channel) AS h;
+                    SELECT h.* INTO r
+                    FROM {schema}.channel_headroom_v2((v_cands[i]).queue, (v_cands[i]).channel,
+                                                      v_now) AS h;
                     IF r.headroom IS NULL THEN
                         -- its channel row is busy (an open transaction of a producer of a
                         -- channel with a max_size, or of an ack): not served this time, and
@@ -1600,9 +1731,13 @@ BEGIN
                             PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
                         END IF;
                     ELSE
-                        v_room[i] := r.headroom;
+                        v_room[i] := r.room;
                         v_cap[i] := LEAST(r.headroom, v_left);
                         v_max[i] := r.max_concurrency;
+                        v_rt[i] := r.rate_interval;
+                        v_burst[i] := r.burst;
+                        v_tat[i] := r.tat;
+                        v_tok[i] := r.tokens;
                     END IF;
                 END IF;
             END LOOP;
@@ -1827,10 +1962,18 @@ BEGIN
             FOR i IN 1 .. v_n LOOP
                 CONTINUE WHEN NOT v_own[i];
                 v_lane := v_cands[i];
-                IF v_max[i] IS NOT NULL AND v_taken[i] > 0 THEN
-                    UPDATE {schema}.channel c SET current_concurrency = c.current_concurrency + v_taken[i]
+                IF (v_max[i] IS NOT NULL OR v_rt[i] IS NOT NULL) AND v_taken[i] > 0 THEN
+                    UPDATE {schema}.channel c SET
+                        current_concurrency = c.current_concurrency
+                            + CASE WHEN v_max[i] IS NOT NULL THEN v_taken[i] ELSE 0 END,
+                        rate_tat = CASE WHEN v_rt[i] IS NOT NULL
+                                        THEN v_tat[i] + v_taken[i] * v_rt[i] ELSE c.rate_tat END,
+                        rate_interval = coalesce(v_rt[i], c.rate_interval)
                     WHERE c.queue = v_lane.queue AND c.name = v_lane.channel;
                 END IF;
+                -- a rated lane that spent its tokens: its turn not before the next one
+                v_wait := CASE WHEN v_rt[i] IS NOT NULL AND v_tok[i] - v_taken[i] <= 0
+                    THEN v_tat[i] + (v_taken[i] - v_burst[i] + 1) * v_rt[i] END;
                 -- a lone lane with more to give, written a moment ago: not written now (its
                 -- positions lag by what was taken since; the next write catches up)
                 CONTINUE WHEN v_n = 1 AND cardinality(v_cands) = 1 AND v_more[i]
@@ -1842,17 +1985,19 @@ BEGIN
                 v_lane.prios := v_next.prios;
                 v_lane.pos_at := v_next.pos_at;
                 v_lane.pos_id := v_next.pos_id;
-                v_lane.limited := v_max[i] IS NOT NULL;
+                v_lane.limited := v_max[i] IS NOT NULL OR v_rt[i] IS NOT NULL;
+                v_lane.not_before := v_wait;
                 IF v_taken[i] > 0 THEN
                     v_lane.served_at := v_served + i * interval '1 microsecond';
                 END IF;
                 IF v_max[i] IS NOT NULL AND v_room[i] - v_taken[i] <= 0 THEN
                     v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
                 ELSIF v_more[i] THEN
-                    v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at);
+                    v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at, v_wait);
                 ELSE
                     v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
-                        THEN GREATEST(v_next.next_at, v_lane.served_at, (v_cands[i]).turn_at) END;
+                        THEN GREATEST(v_next.next_at, v_lane.served_at, (v_cands[i]).turn_at,
+                                      v_wait) END;
                 END IF;
                 -- (a version superseded meanwhile by its previous owner is left as it is)
                 IF EXISTS (SELECT 1 FROM {schema}.lane l WHERE l.id = (v_cands[i]).id) THEN
@@ -2226,6 +2371,26 @@ BEGIN
 END;
 $$;
 
+-- The limits in force for a channel, with its rate (its own policy, else the queue's default):
+-- at most rate_count deliveries per rate_per_ms, burst at once.
+CREATE FUNCTION {schema}.channel_limits_v2(
+    p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer,
+    OUT rate_count integer, OUT rate_per_ms bigint, OUT burst integer
+)
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
+BEGIN
+    SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
+           CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END,
+           CASE WHEN c.has_policy THEN c.own_rate_count ELSE q.rate_count END,
+           CASE WHEN c.has_policy THEN c.own_rate_per_ms ELSE q.rate_per_ms END,
+           CASE WHEN c.has_policy THEN c.own_burst ELSE q.burst END
+    INTO max_concurrency, max_size, rate_count, rate_per_ms, burst
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
+END;
+$$;
+
 -- Give back what removed (or unlocked) messages held on their channel row: p_sized messages
 -- of its current_size, p_slotted of its current_concurrency. A slot freed in a channel at its
 -- max_concurrency marks it `freed`: the next ingest (which the next dequeue runs, seeing it)
@@ -2255,7 +2420,7 @@ BEGIN
         v_row.current_concurrency := GREATEST(0, v_row.current_concurrency - p_slotted);
     END IF;
     IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
-       AND NOT v_row.freed THEN
+       AND NOT v_row.freed AND (v_row.rate_tat IS NULL OR v_row.rate_tat <= clock_timestamp()) THEN
         DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
     ELSE
         UPDATE {schema}.channel c SET
@@ -2301,11 +2466,103 @@ BEGIN
 END;
 $$;
 
+-- A rate's state at p_now: the emission interval T (p_per_ms / p_count), the theoretical
+-- arrival time of the next delivery (at least p_now; p_tat rescaled when it was reckoned with
+-- another interval: what was owed is kept in deliveries, so a new rate applies within one of
+-- its intervals), the deliveries allowed now (whole ones, at most p_burst) and, when none is,
+-- when the next one is. See channel_headroom_v2.
+CREATE FUNCTION {schema}.rate_state_v1(
+    p_tat timestamptz, p_tat_interval interval, p_count integer, p_per_ms bigint, p_burst integer,
+    p_now timestamptz, OUT rate_interval interval, OUT tat timestamptz, OUT tokens integer,
+    OUT next_at timestamptz
+)
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_count IS NULL THEN
+        RETURN;
+    END IF;
+    rate_interval := (p_per_ms::double precision / p_count) * interval '1 millisecond';
+    tat := p_tat;
+    IF tat > p_now AND p_tat_interval IS DISTINCT FROM rate_interval AND p_tat_interval > '0' THEN
+        tat := p_now + (extract(epoch FROM tat - p_now) / extract(epoch FROM p_tat_interval))
+                       * rate_interval;
+    END IF;
+    tat := GREATEST(coalesce(tat, p_now), p_now);
+    -- (the 1e-6 absorbs the rounding of timestamps to microseconds: at the time a delivery is
+    -- due, it is allowed)
+    tokens := LEAST(p_burst, GREATEST(0, floor(p_burst - extract(epoch FROM tat - p_now)
+                                                / extract(epoch FROM rate_interval) + 1e-6)))::integer;
+    IF tokens = 0 THEN
+        next_at := tat - (p_burst - 1) * rate_interval;
+    END IF;
+END;
+$$;
+
+-- What the owner of a limited lane may take now (p_now), its channel row locked for the
+-- caller (created when missing): `room`, the free slots under its max_concurrency (NULL: none
+-- applies); `tokens`, the deliveries its rate allows now (NULL: no rate); `headroom`, the
+-- lesser of the two. All NULL when another transaction holds the row (a producer of a channel
+-- with a max_size, or an ack): the lane waits for a later dequeue rather than this one waiting
+-- for it.
+--
+-- The rate is a GCRA (generic cell rate algorithm): with T = rate_per_ms / rate_count (the
+-- emission interval), the row keeps `rate_tat`, the theoretical arrival time of the next
+-- delivery; n deliveries are allowed at time t when max(tat, t) + n T <= t + burst T, and
+-- taking them moves tat to max(tat, t) + n T. So no window of length w holds more than
+-- burst + w / T deliveries. `tat` comes back as max(tat, t) (rate_state_v1).
+CREATE FUNCTION {schema}.channel_headroom_v2(
+    p_queue text, p_channel text, p_now timestamptz, OUT headroom integer,
+    OUT max_concurrency integer, OUT room integer, OUT tokens integer, OUT rate_interval interval,
+    OUT burst integer, OUT tat timestamptz
+)
+LANGUAGE plpgsql SET lock_timeout = '10ms' SET enable_seqscan = off AS $$
+DECLARE
+    v_lim record;
+    v_row {schema}.channel;
+BEGIN
+    SELECT * INTO v_lim FROM {schema}.channel_limits_v2(p_queue, p_channel);
+    max_concurrency := v_lim.max_concurrency;
+    IF v_lim.max_concurrency IS NULL AND v_lim.rate_count IS NULL THEN
+        headroom := 2147483647;
+        RETURN;
+    END IF;
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        IF EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel) THEN
+            max_concurrency := NULL;
+            RETURN;  -- busy
+        END IF;
+        BEGIN
+            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+            ON CONFLICT DO NOTHING
+            RETURNING * INTO v_row;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+        IF v_row.name IS NULL THEN
+            max_concurrency := NULL;
+            RETURN;  -- another transaction is creating it
+        END IF;
+    END IF;
+    IF v_lim.max_concurrency IS NOT NULL THEN
+        room := GREATEST(0, v_lim.max_concurrency - v_row.current_concurrency);
+    END IF;
+    IF v_lim.rate_count IS NOT NULL THEN
+        burst := v_lim.burst;
+        SELECT r.rate_interval, r.tat, r.tokens INTO rate_interval, tat, tokens
+        FROM {schema}.rate_state_v1(v_row.rate_tat, v_row.rate_interval, v_lim.rate_count,
+                                    v_lim.rate_per_ms, v_lim.burst, p_now) AS r;
+    END IF;
+    headroom := LEAST(coalesce(room, 2147483647), coalesce(tokens, 2147483647));
+END;
+$$;
+
 -- Bring a channel in line with the limits now in force, after a policy change: a limit that
 -- starts counting counts what the channel holds (max_size: its messages; max_concurrency: its
 -- messages in flight), the lane is marked limited or not and gets its turn back, or loses it
--- at its max_concurrency. The caller holds the ingest key. Returns whether the lane got a
--- turn it did not have.
+-- at its max_concurrency, or waits for its next token no more. The caller holds the ingest
+-- key. Returns whether the lane got a turn it did not have (or an earlier one).
 CREATE FUNCTION {schema}.channel_apply_v1(p_queue text, p_channel text) RETURNS boolean
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
@@ -2318,8 +2575,9 @@ DECLARE
     v_next record;
     v_i integer;
 BEGIN
-    SELECT * INTO v_lim FROM {schema}.channel_limits_v1(p_queue, p_channel);
-    IF v_lim.max_size IS NOT NULL OR v_lim.max_concurrency IS NOT NULL THEN
+    SELECT * INTO v_lim FROM {schema}.channel_limits_v2(p_queue, p_channel);
+    IF v_lim.max_size IS NOT NULL OR v_lim.max_concurrency IS NOT NULL
+       OR v_lim.rate_count IS NOT NULL THEN
         INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
         ON CONFLICT DO NOTHING;
     END IF;
@@ -2359,7 +2617,8 @@ BEGIN
         WHERE c.queue = p_queue AND c.name = p_channel;
         DELETE FROM {schema}.channel c
         WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
-          AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed;
+          AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+          AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
     END IF;
     PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(p_queue, p_channel));
     v_lane := {schema}.lane_get_v1(p_queue, p_channel);
@@ -2367,10 +2626,14 @@ BEGIN
         RETURN false;
     END IF;
     v_put := v_lane;
-    v_put.limited := v_lim.max_concurrency IS NOT NULL;
-    IF v_put.limited AND coalesce(v_row.current_concurrency, 0) >= v_lim.max_concurrency THEN
+    v_put.limited := v_lim.max_concurrency IS NOT NULL OR v_lim.rate_count IS NOT NULL;
+    -- (a lane waiting for its next token under the old rate: its turn is recomputed, and its
+    -- owner reckons the tokens under the new one)
+    v_put.not_before := NULL;
+    IF v_lim.max_concurrency IS NOT NULL
+       AND coalesce(v_row.current_concurrency, 0) >= v_lim.max_concurrency THEN
         v_put.turn_at := NULL;
-    ELSIF v_put.turn_at IS NULL THEN
+    ELSIF v_put.turn_at IS NULL OR v_lane.not_before IS NOT NULL THEN
         SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
         SELECT * INTO v_next FROM {schema}.lane_next_v1(v_put, v_d.snap);
         v_put.prios := v_next.prios;
@@ -2383,30 +2646,56 @@ BEGIN
         END IF;
     END IF;
     IF v_put.limited IS DISTINCT FROM v_lane.limited OR v_put.turn_at IS DISTINCT FROM v_lane.turn_at
+       OR v_put.not_before IS DISTINCT FROM v_lane.not_before
        OR v_put.prios IS DISTINCT FROM v_lane.prios OR v_put.pos_at IS DISTINCT FROM v_lane.pos_at
        OR v_put.pos_id IS DISTINCT FROM v_lane.pos_id THEN
         PERFORM {schema}.lane_put_v1(v_lane.id, v_put);
     END IF;
-    RETURN v_lane.turn_at IS NULL AND v_put.turn_at IS NOT NULL;
+    -- (a turn it did not have, or an earlier one: sleepers may be waiting for the later one)
+    RETURN v_put.turn_at IS NOT NULL
+        AND (v_lane.turn_at IS NULL
+             OR (v_put.turn_at < v_lane.turn_at AND v_lane.turn_at > clock_timestamp()));
 END;
 $$;
 
--- Set a channel's own policy (NULL: no limit). Applies at once to the messages it holds.
-CREATE FUNCTION {schema}.channel_policy_set_v1(
-    p_queue text, p_channel text, p_max_concurrency integer, p_max_size integer
+-- Set a channel's own policy (NULL: no limit): max_concurrency, max_size, and a rate of at
+-- most p_rate_count deliveries per p_rate_per_ms, p_burst at once (all three or none).
+-- Applies at once to the messages it holds.
+CREATE FUNCTION {schema}.channel_policy_set_v2(
+    p_queue text, p_channel text, p_max_concurrency integer, p_max_size integer,
+    p_rate_count integer, p_rate_per_ms bigint, p_burst integer
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     PERFORM {schema}.queue_ensure_v1(p_queue);
-    INSERT INTO {schema}.channel AS c (queue, name, has_policy, own_max_concurrency, own_max_size)
-    VALUES (p_queue, p_channel, true, p_max_concurrency, p_max_size)
+    INSERT INTO {schema}.channel AS c (queue, name, has_policy, own_max_concurrency, own_max_size,
+                                       own_rate_count, own_rate_per_ms, own_burst)
+    VALUES (p_queue, p_channel, true, p_max_concurrency, p_max_size, p_rate_count, p_rate_per_ms,
+            p_burst)
     ON CONFLICT (queue, name) DO UPDATE SET
         has_policy = true, own_max_concurrency = EXCLUDED.own_max_concurrency,
-        own_max_size = EXCLUDED.own_max_size;
+        own_max_size = EXCLUDED.own_max_size, own_rate_count = EXCLUDED.own_rate_count,
+        own_rate_per_ms = EXCLUDED.own_rate_per_ms, own_burst = EXCLUDED.own_burst;
     IF {schema}.channel_apply_v1(p_queue, p_channel) THEN
         PERFORM {schema}.wake_v1(p_queue);
     END IF;
+END;
+$$;
+
+-- Version 1 (clients of schema version 7 and before): the limits, keeping the channel's rate.
+CREATE FUNCTION {schema}.channel_policy_set_v1(
+    p_queue text, p_channel text, p_max_concurrency integer, p_max_size integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT c.own_rate_count, c.own_rate_per_ms, c.own_burst INTO r FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel AND c.has_policy;
+    PERFORM {schema}.channel_policy_set_v2(p_queue, p_channel, p_max_concurrency, p_max_size,
+                                           r.own_rate_count, r.own_rate_per_ms, r.own_burst);
 END;
 $$;
 
@@ -2416,7 +2705,7 @@ LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     UPDATE {schema}.channel c SET has_policy = false, own_max_concurrency = NULL,
-        own_max_size = NULL
+        own_max_size = NULL, own_rate_count = NULL, own_rate_per_ms = NULL, own_burst = NULL
     WHERE c.queue = p_queue AND c.name = p_channel;
     IF NOT FOUND THEN
         RETURN;
@@ -2426,14 +2715,16 @@ BEGIN
     END IF;
     DELETE FROM {schema}.channel c
     WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
-      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed;
+      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
 END;
 $$;
 
 -- Set (or, with NULLs, clear) the queue-wide default policy, applied at once to every channel
 -- of the queue that has no policy of its own.
-CREATE FUNCTION {schema}.queue_policy_set_v1(
-    p_queue text, p_max_concurrency integer, p_max_size integer
+CREATE FUNCTION {schema}.queue_policy_set_v2(
+    p_queue text, p_max_concurrency integer, p_max_size integer, p_rate_count integer,
+    p_rate_per_ms bigint, p_burst integer
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -2442,7 +2733,8 @@ DECLARE
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     PERFORM {schema}.queue_ensure_v1(p_queue);
-    UPDATE {schema}.queue SET max_concurrency = p_max_concurrency, max_size = p_max_size
+    UPDATE {schema}.queue SET max_concurrency = p_max_concurrency, max_size = p_max_size,
+        rate_count = p_rate_count, rate_per_ms = p_rate_per_ms, burst = p_burst
     WHERE name = p_queue;
     FOR v_channel IN
         SELECT x.channel FROM (
@@ -2461,6 +2753,22 @@ BEGIN
     IF v_woken THEN
         PERFORM {schema}.wake_v1(p_queue);
     END IF;
+END;
+$$;
+
+-- Version 1 (clients of schema version 7 and before): the limits, keeping the queue's rate.
+CREATE FUNCTION {schema}.queue_policy_set_v1(
+    p_queue text, p_max_concurrency integer, p_max_size integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT q.rate_count, q.rate_per_ms, q.burst INTO r FROM {schema}.queue q
+    WHERE q.name = p_queue;
+    PERFORM {schema}.queue_policy_set_v2(p_queue, p_max_concurrency, p_max_size, r.rate_count,
+                                         r.rate_per_ms, r.burst);
 END;
 $$;
 
@@ -2741,14 +3049,17 @@ BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
     FOR r IN
+        -- (by primary key from an array: `id IN (subquery)` was planned as a semi join that
+        -- read the whole primary key, every message and dead version, at each sweep: 28,000
+        -- buffers and 150 ms two minutes into a held snapshot, under the ingest key)
         WITH gone AS (
             DELETE FROM {schema}.message m
-            WHERE m.id IN (
+            WHERE m.id = ANY (ARRAY(
                 SELECT x.id FROM {schema}.message x
                 WHERE x.expires_at >= v_d.expire_from AND x.expires_at <= v_now
                   AND x.locked_until IS NULL
                 ORDER BY x.expires_at LIMIT p_limit
-                FOR UPDATE SKIP LOCKED)
+                FOR UPDATE SKIP LOCKED))
             RETURNING m.queue, m.channel, m.sized,
                       m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap) AS fresh
         ), per AS (
@@ -2797,7 +3108,8 @@ END;
 $$;
 
 -- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
--- queue's retention (at most p_limit), and ingest and fold the counts.
+-- queue's retention (at most p_limit), ingest and fold the counts, and remove the lanes of
+-- channels empty for 5 minutes (at most p_limit).
 CREATE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
@@ -2814,10 +3126,14 @@ BEGIN
         ORDER BY d.dead_at
         LIMIT p_limit
     ), gone AS (
-        DELETE FROM {schema}.dead_message d WHERE d.id IN (SELECT o.id FROM old o) RETURNING 1
+        DELETE FROM {schema}.dead_message d WHERE d.id = ANY (ARRAY(SELECT o.id FROM old o))
+        RETURNING 1
     )
     SELECT count(*) INTO dead_pruned FROM gone;
     PERFORM {schema}.ingest_v1(ARRAY[]::text[], true, true);
+    -- channels empty for 5 minutes: their lanes and counts go
+    -- (at most 1,000 a call: each takes a lane key, a slot of the server's lock table)
+    PERFORM {schema}.lane_prune_v1(LEAST(p_limit, 1000), interval '5 minutes');
 END;
 $$;
 
@@ -2958,13 +3274,95 @@ BEGIN
            coalesce(c.dropped, 0)
     FROM c
     CROSS JOIN LATERAL {schema}.channel_limits_v1(p_queue, c.channel) AS lim
-    LEFT JOIN LATERAL (
-        SELECT x.turn_at, x.served_at FROM {schema}.lane x
-        WHERE x.queue = p_queue AND x.channel = c.channel ORDER BY x.id DESC LIMIT 1
-    ) AS l ON true
+    LEFT JOIN LATERAL {schema}.lane_get_v1(p_queue, c.channel) AS l ON true
     WHERE c.size > 0 OR c.has_policy
     ORDER BY c.size DESC, c.in_flight DESC, c.channel
     LIMIT p_limit;
+END;
+$$;
+
+-- The channels of a queue, largest first, with their policies (rates too), counters, and the
+-- state of their rate: deliveries allowed now (`tokens`) and, when none is, when the next one
+-- is (`next_token_at`).
+CREATE FUNCTION {schema}.channel_list_v2(p_queue text, p_limit integer)
+RETURNS TABLE (
+    channel_name text, size integer, in_flight integer, max_concurrency integer,
+    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
+    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
+    expired bigint, dropped bigint, rate_count integer, rate_per_ms bigint, burst integer,
+    tokens integer, next_token_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    SELECT c.*, lim.rate_count, lim.rate_per_ms, lim.burst, st.tokens,
+           GREATEST(st.next_at, l.not_before)
+    FROM {schema}.channel_list_v1(p_queue, p_limit) AS c
+    CROSS JOIN LATERAL {schema}.channel_limits_v2(p_queue, c.channel_name) AS lim
+    LEFT JOIN {schema}.channel ch ON ch.queue = p_queue AND ch.name = c.channel_name
+    LEFT JOIN LATERAL {schema}.rate_state_v1(ch.rate_tat, ch.rate_interval, lim.rate_count,
+                                             lim.rate_per_ms, lim.burst, v_now) AS st ON true
+    LEFT JOIN LATERAL {schema}.lane_get_v1(p_queue, c.channel_name) AS l ON true;
+END;
+$$;
+
+-- A channel's own policy, the queue default (rates too), its gauges (messages held, in flight)
+-- and the state of its rate.
+CREATE FUNCTION {schema}.channel_get_v2(p_queue text, p_channel text)
+RETURNS TABLE (
+    has_policy boolean, own_max_concurrency integer, own_max_size integer,
+    max_concurrency integer, max_size integer, size bigint, in_flight bigint,
+    own_rate_count integer, own_rate_per_ms bigint, own_burst integer, rate_count integer,
+    rate_per_ms bigint, burst integer, tokens integer, next_token_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    SELECT g.*, c.own_rate_count, c.own_rate_per_ms, c.own_burst, q.rate_count, q.rate_per_ms,
+           q.burst, st.tokens, GREATEST(st.next_at, l.not_before)
+    FROM {schema}.channel_get_v1(p_queue, p_channel) AS g
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel AND c.has_policy
+    CROSS JOIN LATERAL {schema}.channel_limits_v2(p_queue, p_channel) AS lim
+    LEFT JOIN {schema}.channel ch ON ch.queue = p_queue AND ch.name = p_channel
+    LEFT JOIN LATERAL {schema}.rate_state_v1(ch.rate_tat, ch.rate_interval, lim.rate_count,
+                                             lim.rate_per_ms, lim.burst, v_now) AS st ON true
+    LEFT JOIN LATERAL {schema}.lane_get_v1(p_queue, p_channel) AS l ON true;
+END;
+$$;
+
+-- Per queue, the channels whose rate holds back messages that are due now (their lane waits
+-- for its next token), and how many such messages they hold ready (read from the lanes'
+-- positions: O(messages they hold)).
+CREATE FUNCTION {schema}.rate_held_v1()
+RETURNS TABLE (queue_name text, channels bigint, messages bigint)
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    RETURN QUERY
+    SELECT l.queue::text, count(*), coalesce(sum(n.ready), 0)::bigint
+    FROM (
+        SELECT DISTINCT ON (x.queue, x.channel) x.*
+        FROM {schema}.lane x WHERE x.limited
+        ORDER BY x.queue, x.channel, x.id DESC
+    ) AS l
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS ready
+        FROM unnest(l.prios, l.pos_at, l.pos_id) AS p(prio, at, pid)
+        CROSS JOIN LATERAL (
+            SELECT 1 FROM {schema}.message m
+            WHERE m.queue = l.queue AND m.channel = l.channel AND m.locked_until IS NULL
+              AND m.priority = p.prio AND (m.dequeue_at, m.id) >= (p.at, p.pid)
+              AND m.dequeue_at <= v_now
+        ) AS m
+    ) AS n
+    WHERE l.not_before > v_now AND n.ready > 0
+    GROUP BY l.queue;
 END;
 $$;
 
@@ -3382,6 +3780,21 @@ ALTER FUNCTION {schema}.channel_policy_set_v1(text, text, integer, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+ALTER FUNCTION {schema}.channel_policy_set_v2(text, text, integer, integer, integer, bigint, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+ALTER FUNCTION {schema}.channel_get_v2(text, text)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+ALTER FUNCTION {schema}.queue_policy_set_v2(text, integer, integer, integer, bigint, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+ALTER FUNCTION {schema}.channel_list_v2(text, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+ALTER FUNCTION {schema}.rate_held_v1()
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.channel_get_v1(text, text)

@@ -8,8 +8,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import migrator
-from ..exceptions import ConfigurationError
+from ..exceptions import ConfigurationError, InvalidArgument
 from ..queue._checks import DEFAULT_MAX_MESSAGE_BYTES
+from ..queue.rate import burst_or_none, rate_or_none
 
 # Options kombu itself reads, or writes into transport_options (Producer.publish with
 # retry=True merges its retry_policy, the keywords of Connection.ensure, into them): accepted
@@ -150,18 +151,22 @@ def _integer(name: str, value: object, low: int, high: int) -> None:
         raise ConfigurationError(f"transport option {name} must be an int in [{low}, {high}]")
 
 
-_LIMITS = frozenset({"max_concurrency", "max_size"})
+_LIMITS = frozenset({"max_concurrency", "max_size", "rate", "burst"})
 
 
 def _limits(where: str, value: object) -> None:
     if not isinstance(value, dict) or not set(value) <= _LIMITS:
         raise ConfigurationError(
-            f"transport option policies: {where} must be a dict with keys "
-            "max_concurrency and/or max_size"
+            f"transport option policies: {where} must be a dict with keys among "
+            "max_concurrency, max_size, rate, burst"
         )
-    for key, limit in value.items():
-        if limit is not None:
-            _integer(f"policies: {where}.{key}", limit, 0, 2**31 - 1)
+    for key in ("max_concurrency", "max_size"):
+        if value.get(key) is not None:
+            _integer(f"policies: {where}.{key}", value[key], 0, 2**31 - 1)
+    try:
+        burst_or_none(value.get("burst"), rate_or_none(value.get("rate")))
+    except InvalidArgument as exc:
+        raise ConfigurationError(f"transport option policies: {where}: {exc}") from None
 
 
 _SETTINGS = frozenset({"dead_letter", "max_attempts", "dead_retention_ms"})
