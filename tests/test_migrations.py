@@ -516,7 +516,10 @@ API_FUNCTIONS = {
     "ingest_wait_v1",
     "snapshot_v1",
     "fold_v1",
-    "channel_headroom_v1",
+    "channel_headroom_v2",
+    "channel_limits_v2",
+    "rate_state_v1",
+    "lane_prune_v1",
     "queue_idle_v1",
     "queue_retry_ms_v1",
     "message_dequeue_v3",
@@ -532,14 +535,19 @@ API_FUNCTIONS = {
     "channel_give_back_v1",
     "channel_apply_v1",
     "channel_policy_set_v1",
+    "channel_policy_set_v2",
     "channel_policy_clear_v1",
     "queue_policy_set_v1",
+    "queue_policy_set_v2",
     "queue_purge_v1",
     "queue_delete_v1",
     "queue_stats_v1",
     "queue_status_v1",
     "channel_list_v1",
+    "channel_list_v2",
     "channel_get_v1",
+    "channel_get_v2",
+    "rate_held_v1",
     "message_list_v1",
     "message_get_v1",
     "message_remove_v1",
@@ -672,6 +680,26 @@ def test_everything_works_with_an_empty_search_path(
     queue.policy.clear(conn)
     info = a.info(conn)
     assert info.own is None and info.size == 1 and info.in_flight == 1
+
+    # rates; the version-1 policy functions of older clients keep a rate
+    r = queue.channel("r")
+    r.policy.set(conn, rate="100/s", burst=2)
+    for _ in range(3):
+        r.message.create(conn, b"r")
+    got = queue.dequeue(conn, limit=10, lock_ms=60_000).messages
+    assert sum(1 for m in got if m.channel == "r") == 2
+    broker.delete_many(conn, got)
+    [listed] = [c for c in queue.channels(conn) if c.channel == "r"]
+    assert listed.rate == lonnymq.Rate(100, 1000) and listed.burst == 2
+    assert isinstance(broker.rate_held(conn), list)
+    s = sql.Identifier(schema)
+    conn.execute(sql.SQL("SELECT {}.channel_policy_set_v1('default', 'r', 5, NULL)").format(s))
+    assert r.policy.get(conn) == lonnymq.Policy(5, None, lonnymq.Rate(100, 1000), 2)
+    conn.execute(sql.SQL("SELECT {}.queue_policy_set_v1('default', NULL, NULL)").format(s))
+    assert conn.execute(
+        sql.SQL("SELECT own_max_concurrency FROM {}.channel_get_v1('default', 'r')").format(s)
+    ).fetchone() == (5,)
+    r.policy.clear(conn)
 
     # stats, size, queues, purge, delete
     stats = queue.stats(conn)

@@ -11,7 +11,9 @@ or, in a process of your own::
 Per queue (label ``queue``): gauges ``lonnymq_queue_messages`` (label ``state``: ready,
 delayed, in_flight, dead), ``lonnymq_queue_oldest_ready_age_seconds``,
 ``lonnymq_queue_channels``; counters ``lonnymq_queue_<event>_total`` for enqueued, delivered,
-redelivered, acked, deferred, dead_lettered, expired and dropped (refused by a full channel).
+redelivered, acked, deferred, dead_lettered, expired and dropped (refused by a full channel);
+gauges ``lonnymq_queue_rate_held_messages`` and ``lonnymq_queue_rate_held_channels`` (messages
+due now that wait for their channel's rate, and those channels).
 Plus ``lonnymq_up`` and ``lonnymq_scrape_duration_seconds``. Worker-side metrics (dequeue
 latency histogram, per-process counters) come from the transport: see
 :mod:`lonnymq.transport.events`.
@@ -32,7 +34,7 @@ import psycopg
 
 from .dsn import mask_password
 from .exceptions import ConfigurationError, LonnyMQError
-from .queue import Broker, HorizonHolder, QueueStatus
+from .queue import Broker, HorizonHolder, QueueStatus, RateHeld
 
 try:
     from prometheus_client import CollectorRegistry, start_http_server
@@ -71,19 +73,20 @@ class DatabaseCollector(Collector):
         #: the last error reading the database (password masked), for the log
         self.last_error: str | None = None
 
-    def _read(self) -> tuple[list[QueueStatus], Any, list[HorizonHolder]]:
+    def _read(self) -> tuple[list[QueueStatus], Any, list[HorizonHolder], list[RateHeld]]:
         if self._conn is None or self._conn.closed:
             self._conn = psycopg.connect(self.dsn, autocommit=True, connect_timeout=10)
         try:
             statuses = self.broker.status(self._conn, count_ready=self.count_ready)
             holders = self.broker.horizon(self._conn, limit=5)
+            held = self.broker.rate_held(self._conn)
             row = self._conn.execute("SELECT clock_timestamp()").fetchone()
         except BaseException:
             self._conn.close()
             self._conn = None
             raise
         assert row is not None
-        return statuses, row[0], holders
+        return statuses, row[0], holders, held
 
     def describe(self) -> list[Metric]:
         """Nothing: registering the collector must not read the database."""
@@ -94,7 +97,7 @@ class DatabaseCollector(Collector):
         up = GaugeMetricFamily("lonnymq_up", "1 when the last scrape could read the database")
         try:
             with self._lock:
-                statuses, now, holders = self._read()
+                statuses, now, holders, held = self._read()
         except (psycopg.Error, LonnyMQError, OSError) as exc:
             error = mask_password(str(exc)).strip()
             if error != self.last_error:
@@ -145,6 +148,23 @@ class DatabaseCollector(Collector):
             yield oldest
         yield channels
         yield from counters.values()
+        held_messages = GaugeMetricFamily(
+            "lonnymq_queue_rate_held_messages",
+            "Messages due now that wait for their channel's rate (its next token)",
+            labels=["queue"],
+        )
+        held_channels = GaugeMetricFamily(
+            "lonnymq_queue_rate_held_channels",
+            "Channels whose rate holds back messages due now",
+            labels=["queue"],
+        )
+        by_queue = {h.queue: h for h in held}
+        for s in statuses:
+            h = by_queue.get(s.queue)
+            held_messages.add_metric([s.queue], h.messages if h else 0)
+            held_channels.add_metric([s.queue], h.channels if h else 0)
+        yield held_messages
+        yield held_channels
         snapshot = GaugeMetricFamily(
             "lonnymq_oldest_snapshot_age_seconds",
             "How long the oldest transaction or snapshot of a session of this database (or a "

@@ -13,6 +13,7 @@ from .operate import (
     MessageInfo,
     QueueSettings,
     QueueStatus,
+    RateHeld,
     RetryResult,
     UpdateResult,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "Policy",
     "Queue",
     "Rate",
+    "RateHeld",
     "QueueExpiry",
     "QueueSettings",
     "QueueStats",

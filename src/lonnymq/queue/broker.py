@@ -29,6 +29,7 @@ from .operate import (
     MessageInfo,
     QueueSettings,
     QueueStatus,
+    RateHeld,
     RetryResult,
     State,
     UpdateResult,
@@ -38,6 +39,7 @@ from .operate import (
     get_op,
     horizon_op,
     list_op,
+    rate_held_op,
     remove_op,
     retry_op,
     settings_op,
@@ -187,6 +189,11 @@ class Broker:
         into ready and delayed reads them (cost grows with the backlog): ``count_ready=False``
         skips it."""
         return run(require_sync(conn), status_op(self.schema, count_ready=count_ready))
+
+    def rate_held(self, conn: Conn) -> list[RateHeld]:
+        """Per queue, the channels whose rate holds back messages that are due now (they wait
+        for their next token), and how many such messages they hold."""
+        return run(require_sync(conn), rate_held_op(self.schema))
 
     def horizon(self, conn: Conn, *, limit: int = 5) -> list[HorizonHolder]:
         """What holds back the database's cleanup horizon, oldest first (sessions with an

@@ -34,6 +34,7 @@ _UPDATE: LiteralString = (
 _DEAD_PURGE: LiteralString = "SELECT {schema}.dead_purge_v1(%s::text)"
 _CONFIGURE: LiteralString = "SELECT {schema}.queue_configure_v1(%s::text, %s::jsonb)"
 _HORIZON: LiteralString = "SELECT * FROM {schema}.horizon_v1(%s::integer)"
+_RATE_HELD: LiteralString = "SELECT * FROM {schema}.rate_held_v1()"
 _SETTINGS: LiteralString = (
     "SELECT q.dead_letter, q.max_attempts, q.dead_retention_ms FROM {schema}.queue q "
     "WHERE q.name = %s::text"
@@ -206,6 +207,22 @@ def horizon_op(schema: str, *, limit: int = 5) -> Op[list[HorizonHolder]]:
         return [HorizonHolder(*row) for row in rows]
 
     return Op(schema, render(_HORIZON, schema), (count,), parse)
+
+
+@dataclass(frozen=True, slots=True)
+class RateHeld:
+    """A queue's channels whose rate holds back messages due now, and those messages."""
+
+    queue: str
+    channels: int
+    messages: int
+
+
+def rate_held_op(schema: str) -> Op[list[RateHeld]]:
+    def parse(rows: Rows) -> list[RateHeld]:
+        return [RateHeld(str(q), int(c), int(m)) for q, c, m in rows]
+
+    return Op(schema, render(_RATE_HELD, schema), (), parse)
 
 
 def _nonneg(value: Any) -> int:

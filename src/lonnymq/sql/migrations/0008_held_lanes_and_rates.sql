@@ -95,11 +95,16 @@ $$;
 
 -- Replace a lane's version by a new one: the old row is deleted, the new one inserted (so a
 -- read of the latest version never walks superseded ones). The caller holds the lane's key.
+-- (Rows of lane and channel_count are found by their whole key, (queue, channel, id), never by
+-- id alone: after a VACUUM the planner may serve `id = $1` from lane_latest_idx, whose last
+-- column is the id, read whole: 3,300 buffers per delete late in a held snapshot. With the
+-- whole key, either index finds the row at once.)
 CREATE OR REPLACE FUNCTION {schema}.lane_put_v1(p_old_id bigint, p_new {schema}.lane) RETURNS void
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 BEGIN
     IF p_old_id IS NOT NULL THEN
-        DELETE FROM {schema}.lane WHERE id = p_old_id;
+        DELETE FROM {schema}.lane l
+        WHERE l.queue = p_new.queue AND l.channel = p_new.channel AND l.id = p_old_id;
     END IF;
     INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at, pos_id,
                                not_before)
@@ -215,6 +220,12 @@ BEGIN
         SELECT r.rate_interval, r.tat, r.tokens INTO rate_interval, tat, tokens
         FROM {schema}.rate_state_v1(v_row.rate_tat, v_row.rate_interval, v_lim.rate_count,
                                     v_lim.rate_per_ms, v_lim.burst, p_now) AS r;
+        -- (a rate changed since the row's tat was reckoned: what is owed, rescaled, is kept,
+        -- whether or not this call takes anything)
+        IF v_row.rate_tat > p_now AND v_row.rate_interval IS DISTINCT FROM rate_interval THEN
+            UPDATE {schema}.channel c SET rate_tat = tat, rate_interval = channel_headroom_v2.rate_interval
+            WHERE c.queue = p_queue AND c.name = p_channel;
+        END IF;
     END IF;
     headroom := LEAST(coalesce(room, 2147483647), coalesce(tokens, 2147483647));
 END;
@@ -618,7 +629,8 @@ BEGIN
                 WHERE x.queue = d.queue AND x.channel = d.channel
             ) AS o ON true
         ), replaced AS (
-            DELETE FROM {schema}.channel_count c USING old o WHERE c.id = o.old_id
+            DELETE FROM {schema}.channel_count c USING old o
+            WHERE c.queue = o.queue AND c.channel = o.channel AND c.id = o.old_id
         ), merged AS (
             INSERT INTO {schema}.channel_count AS cc (queue, channel, enqueued, delivered,
                 redelivered, acked, deferred, dead, dead_held, expired, dropped, removed,
@@ -697,7 +709,8 @@ BEGIN
             SELECT 1 FROM {schema}.channel c
             WHERE c.queue = r.queue AND c.name = r.channel AND c.has_policy);
         IF v_lane.id IS NOT NULL THEN
-            DELETE FROM {schema}.lane l WHERE l.id = v_lane.id;
+            DELETE FROM {schema}.lane l
+            WHERE l.queue = r.queue AND l.channel = r.channel AND l.id = v_lane.id;
         END IF;
         SELECT x.* INTO v_count FROM (
             SELECT * FROM {schema}.channel_count c
@@ -706,7 +719,8 @@ BEGIN
         ) AS x
         WHERE x.queue = r.queue AND x.channel = r.channel;
         IF v_count.id IS NOT NULL THEN
-            DELETE FROM {schema}.channel_count cc WHERE cc.id = v_count.id;
+            DELETE FROM {schema}.channel_count cc
+            WHERE cc.queue = r.queue AND cc.channel = r.channel AND cc.id = v_count.id;
             v_gone := v_gone || v_count;
         END IF;
         DELETE FROM {schema}.channel c
@@ -1085,7 +1099,9 @@ BEGIN
                         v_lane := v_cands[i];
                         v_lane.turn_at := GREATEST(v_lane.turn_at,
                                                    clock_timestamp() + interval '10 milliseconds');
-                        IF EXISTS (SELECT 1 FROM {schema}.lane l WHERE l.id = v_lane.id) THEN
+                        IF EXISTS (SELECT 1 FROM {schema}.lane l
+                                   WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
+                                     AND l.id = v_lane.id) THEN
                             PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
                         END IF;
                     ELSE
@@ -1358,7 +1374,9 @@ BEGIN
                                       v_wait) END;
                 END IF;
                 -- (a version superseded meanwhile by its previous owner is left as it is)
-                IF EXISTS (SELECT 1 FROM {schema}.lane l WHERE l.id = (v_cands[i]).id) THEN
+                IF EXISTS (SELECT 1 FROM {schema}.lane l
+                           WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
+                             AND l.id = (v_cands[i]).id) THEN
                     PERFORM {schema}.lane_put_v1((v_cands[i]).id, v_lane);
                 END IF;
             END LOOP;
