@@ -44,6 +44,15 @@ def counter_rows(conn: Conn, schema: str, queue: str) -> int:
     return int(row[0])
 
 
+def prune_now(conn: Conn, schema: str) -> int:
+    """What housekeeping does to channels empty for 5 minutes (their lanes and counts go, the
+    counts to one row per queue), to those empty now."""
+    query = sql.SQL("SELECT {}.lane_prune_v1(1000, interval '0 s')").format(sql.Identifier(schema))
+    row = conn.execute(query).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def all_counter_rows(conn: Conn, schema: str) -> int:
     row = conn.execute(
         sql.SQL(
@@ -157,11 +166,18 @@ def test_counters_exact_after_a_mixed_workload(
     other_before = counters(broker, conn, "other")
     assert other_before == Counters(3, 2, 0, 1, 0, 0, 0, 0)
 
-    # compaction: one row per queue, the same totals
+    # compaction: the tallies folded (the emptied channels keep their counts and lanes for 5
+    # minutes), the same totals
     assert broker.housekeep(conn) == 0
     assert counters(broker, conn, "default") == expected
-    assert counter_rows(conn, broker.schema, "default") == 1
+    assert counter_rows(conn, broker.schema, "default") == 0
     assert counters(broker, conn, "other") == other_before
+    # the channels empty for long enough go, their counts to one row per queue (housekeeping
+    # does it after 5 minutes: here at once)
+    # (the channels of both queues that emptied; d has a policy, f holds a delayed message)
+    assert prune_now(conn, broker.schema) == 5
+    assert counters(broker, conn, "default") == expected
+    assert counter_rows(conn, broker.schema, "default") == 1
     assert broker.housekeep(conn) == 0  # and again: still the same
     assert counters(broker, conn, "default") == expected
     assert counter_rows(conn, broker.schema, "default") == 1
@@ -419,8 +435,11 @@ def test_counters_exact_under_concurrent_work_and_housekeeping(
     assert (status.total, status.in_flight, status.dead) == (0, 0, dead)
     broker.housekeep(conn)
     assert counters(broker, conn, "default") == expected
-    assert counter_rows(conn, broker.schema, "default") == 1
+    assert counter_rows(conn, broker.schema, "default") == 0  # every tally folded
     assert channel_rows(conn, broker.schema) == []
+    prune_now(conn, broker.schema)
+    assert counters(broker, conn, "default") == expected
+    assert counter_rows(conn, broker.schema, "default") == 1
 
 
 def test_bulk_ack_across_channels_frees_slots_and_keeps_counters(
