@@ -6,6 +6,7 @@ max_concurrency, priority, delays, defers and lock expiry."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from psycopg import sql
 import lonnymq
 from lonnymq import InvalidArgument, Rate
 from tests.invariants import assert_consistent
+from tests.test_cli import cli
 
 Conn = psycopg.Connection[Any]
 
@@ -366,3 +368,64 @@ def test_rate_state_is_shown(broker: lonnymq.Broker, conn: Conn) -> None:
     query = sql.SQL("SELECT * FROM {}.rate_held_v1()").format(sql.Identifier(broker.schema))
     held = conn.execute(query).fetchall()
     assert held == [("q", 1, 3)]
+
+
+# --- the command line and the transport options ---------------------------------------------
+
+
+def test_cli_sets_and_shows_rates(broker: lonnymq.Broker, conn: Conn, pg_dsn: str) -> None:
+    base = ("--dsn", pg_dsn, "--schema", broker.schema)
+    out = cli("policy", "set", "q", "a", "--rate", "10/m", "--burst", "3", *base, "--json")
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["own_policy"]["rate"] == "10/m" and shown["own_policy"]["burst"] == 3
+    assert shown["tokens"] == 3
+    fill(broker.queue("q"), conn, "a", 10)
+    drain(broker, conn, ["q"], 0.05)
+    listed = json.loads(cli("channels", "q", *base, "--json").stdout)
+    assert [(c["channel"], c["rate"], c["burst"], c["tokens"]) for c in listed] == [
+        ("a", "10/m", 3, 0)
+    ]
+    assert listed[0]["next_token_at"] is not None
+    table = cli("channels", "q", *base)
+    assert "10/m x3" in table.stdout and "next in" in table.stdout
+    status = json.loads(cli("status", *base, "--json").stdout)
+    assert status[0]["rate_held"] == {"channels": 1, "messages": 7}
+    assert "wait for the rate of 1 channel(s)" in cli("status", *base).stdout
+    # the queue default; bad values are usage errors that change nothing
+    assert cli("policy", "set", "q", "--rate", "600/m", *base).returncode == 0
+    assert broker.queue("q").policy.get(conn).rate == Rate(600, 60_000)
+    for bad in (["--rate", "fast"], ["--burst", "2"], ["--rate", "1/s", "--burst", "0"]):
+        refused = cli("policy", "set", "q", "a", *bad, *base)
+        assert refused.returncode == 2, (bad, refused.stdout, refused.stderr)
+        assert "rate" in refused.stderr or "burst" in refused.stderr
+    assert broker.queue("q").channel("a").policy.get(conn) == lonnymq.Policy(
+        None, None, Rate(10, 60_000), 3
+    )
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"rate": "often"}, "is not of the form"),
+        ({"burst": 3}, "burst needs a rate"),
+        ({"rate": "5/s", "burst": -1}, "burst must be between"),
+        ({"rate": "5/s", "speed": 1}, "keys among"),
+    ],
+)
+def test_bad_rates_in_the_policies_option_are_refused(
+    make_connection: Callable[..., Any], limits: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(lonnymq.ConfigurationError, match=message):
+        make_connection(policies={"q": {"channels": {"a": limits}}}).connect()
+
+
+def test_the_policies_option_sets_rates(
+    make_connection: Callable[..., Any], broker: lonnymq.Broker, conn: Conn
+) -> None:
+    policies = {"q": {"default": {"rate": "2/s"}, "channels": {"a": {"rate": "5/s", "burst": 2}}}}
+    with make_connection(policies=policies) as connection:
+        connection.default_channel.queue_declare("q")
+    queue = broker.queue("q")
+    assert queue.policy.get(conn) == lonnymq.Policy(None, None, Rate(2, 1000), 1)
+    assert queue.channel("a").policy.get(conn) == lonnymq.Policy(None, None, Rate(5, 1000), 2)

@@ -56,12 +56,12 @@ def cmd_policy(args: argparse.Namespace) -> int:
 
 
 def vars_of(policy: Any) -> dict[str, Any]:
-    return {
-        "max_concurrency": policy.max_concurrency,
-        "max_size": policy.max_size,
-        "rate": None if policy.rate is None else str(policy.rate),
-        "burst": policy.burst,
-    }
+    """A policy's limits; ``rate`` and ``burst`` only when it has a rate (the output of a
+    policy without one is as it was before rates)."""
+    shown = {"max_concurrency": policy.max_concurrency, "max_size": policy.max_size}
+    if policy.rate is not None:
+        shown.update(rate=str(policy.rate), burst=policy.burst)
+    return shown
 
 
 def cmd_queue(args: argparse.Namespace) -> int:

@@ -1,0 +1,139 @@
+"""Lanes kept while their channel is empty, and removed by housekeeping once it has stayed
+empty (migration 8, docs/design.md "Lanes and round robin"); an ingest that meets more
+channels than it may take lane keys for in one transaction.
+
+Removal never loses a message: one made ready after its channel emptied (committed before the
+removal, or still in its producer's transaction) is delivered, and the counters stay exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+import lonnymq
+from tests.invariants import assert_consistent
+from tests.test_counters import counters, prune_now
+
+Conn = psycopg.Connection[Any]
+
+
+def lanes(conn: Conn, schema: str) -> list[str]:
+    rows = conn.execute(
+        sql.SQL("SELECT channel FROM {}.lane ORDER BY channel").format(sql.Identifier(schema))
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def idle(conn: Conn, schema: str) -> list[str]:
+    rows = conn.execute(
+        sql.SQL("SELECT channel FROM {}.lane_idle ORDER BY channel").format(sql.Identifier(schema))
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+def fold(broker: lonnymq.Broker, conn: Conn) -> None:
+    """An ingest that folds (what a consumer's ingest does at most once a second)."""
+    conn.execute(
+        sql.SQL("SELECT {}.ingest_v1(ARRAY[]::text[], true, true)").format(
+            sql.Identifier(broker.schema)
+        )
+    )
+
+
+def consume_all(broker: lonnymq.Broker, conn: Conn, queue: str = "q") -> list[lonnymq.Message]:
+    got: list[lonnymq.Message] = []
+    while True:
+        result = broker.dequeue(conn, [queue], limit=100, listen=False)
+        if not result.messages:
+            return got
+        got.extend(result.messages)
+        broker.delete_many(conn, result.messages)
+
+
+def test_an_emptied_channel_keeps_its_lane_until_housekeeping_removes_it(
+    broker: lonnymq.Broker, conn: Conn
+) -> None:
+    queue = broker.queue("q")
+    for name in ("a", "b"):
+        queue.channel(name).message.create(conn, name)
+    queue.channel("b").message.create(conn, b"stays", delay_ms=3_600_000)
+    assert len(consume_all(broker, conn)) == 2
+    fold(broker, conn)
+    # a's lane stays, noted as idle; b holds a delayed message
+    assert lanes(conn, broker.schema) == ["a", "b"]
+    assert idle(conn, broker.schema) == ["a"]
+    before = counters(broker, conn, "q")
+    # housekeeping leaves it for 5 minutes
+    broker.housekeep(conn)
+    assert lanes(conn, broker.schema) == ["a", "b"]
+    # then it goes, its counts kept in the queue's
+    assert prune_now(conn, broker.schema) == 1
+    assert lanes(conn, broker.schema) == ["b"] and idle(conn, broker.schema) == []
+    assert counters(broker, conn, "q") == before
+    # and a new message in it is delivered as ever
+    queue.channel("a").message.create(conn, b"again")
+    assert [m.content for m in consume_all(broker, conn)] == [b"again"]
+    assert counters(broker, conn, "q").acked == before.acked + 1
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_channel_used_again_before_removal_is_left_alone(
+    broker: lonnymq.Broker, conn: Conn
+) -> None:
+    queue = broker.queue("q")
+    queue.channel("a").message.create(conn, b"1")
+    consume_all(broker, conn)
+    fold(broker, conn)
+    assert idle(conn, broker.schema) == ["a"]
+    # a message comes (and waits): the lane is written after the channel emptied
+    queue.channel("a").message.create(conn, b"2")
+    fold(broker, conn)
+    assert prune_now(conn, broker.schema) == 0
+    assert lanes(conn, broker.schema) == ["a"] and idle(conn, broker.schema) == []
+    assert [m.content for m in consume_all(broker, conn)] == [b"2"]
+    # empty again: noted again
+    fold(broker, conn)
+    assert idle(conn, broker.schema) == ["a"]
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_message_of_an_open_transaction_survives_the_removal(
+    broker: lonnymq.Broker, connect: Callable[..., Conn]
+) -> None:
+    """A producer's transaction creates a message in a channel whose lane housekeeping removes
+    meanwhile: it commits after the removal, and its message is delivered (the next ingest
+    makes the lane again)."""
+    conn = connect()
+    queue = broker.queue("q")
+    queue.channel("a").message.create(conn, b"1")
+    consume_all(broker, conn)
+    fold(broker, conn)
+    producer = connect(autocommit=False)
+    queue.channel("a").message.create(producer, b"late")
+    fold(broker, conn)
+    assert prune_now(conn, broker.schema) == 1
+    assert lanes(conn, broker.schema) == []
+    producer.commit()
+    assert [m.content for m in consume_all(broker, conn)] == [b"late"]
+    assert counters(broker, conn, "q").enqueued == 2
+    assert_consistent(conn, broker.schema)
+
+
+def test_an_ingest_of_more_channels_than_the_lock_table_holds(
+    broker: lonnymq.Broker, conn: Conn
+) -> None:
+    """One batch across 10,000 channels (each new lane takes a lane key, a slot of the server's
+    lock table until commit: 6,400 by default for every session together): the ingests take
+    them 1,000 at a time and every message is delivered, once."""
+    queue = broker.queue("q")
+    batch = queue.batch()
+    for i in range(10_000):
+        batch.channel(f"c{i}").message(f"m{i}")
+    batch.execute(conn)
+    got = consume_all(broker, conn)
+    assert len(got) == 10_000 and len({m.id for m in got}) == 10_000
+    assert counters(broker, conn, "q").acked == 10_000
+    assert_consistent(conn, broker.schema)
