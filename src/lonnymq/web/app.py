@@ -22,6 +22,7 @@ from .auth import Access, Forbidden
 from .data import NotFound, Settings
 from .db import Pool, Unavailable
 from .history import History
+from .readings import Readings
 from .render import HERE, BadRequest, Web, render, templates
 
 log = logging.getLogger("lonnymq.web")
@@ -136,9 +137,11 @@ def create_app(
     if allow_actions and not token:
         raise ConfigurationError("actions need an access token (--token or LONNYMQ_WEB_TOKEN)")
     broker = Broker(schema)
+    pool = Pool(dsn, size=pool_size, statement_timeout_ms=statement_timeout_ms)
+    readings = Readings(pool, interval_s=refresh_s)
     web = Web(
-        settings=Settings(broker, History(), snapshot_warn_s),
-        pool=Pool(dsn, size=pool_size, statement_timeout_ms=statement_timeout_ms),
+        settings=Settings(broker, History(), readings, snapshot_warn_s),
+        pool=pool,
         access=Access(token if allow_actions else None),
         templates=templates(),
         refresh_s=refresh_s,

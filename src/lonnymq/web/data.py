@@ -11,10 +11,18 @@ from typing import Any
 
 import psycopg
 
-from ..queue import Broker, ChannelStatus, HorizonHolder, MessageDetail, MessageInfo
+from ..queue import (
+    Broker,
+    ChannelStatus,
+    HorizonHolder,
+    MessageDetail,
+    MessageInfo,
+    QueueStatus,
+)
 from ..queue.operate import STATES, State
 from ..report import expired_warning, horizon_text, is_internal, message_body, status_dict
 from .history import History
+from .readings import Reading, Readings
 
 Conn = psycopg.Connection[Any]
 
@@ -35,12 +43,31 @@ class NotFound(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """What the pages need to know of the app: its broker, its readings, the age at which a
-    held snapshot is worth a warning."""
+    """What the pages need to know of the app: its broker, its rates, its kept readings, the
+    age at which a held snapshot is worth a warning."""
 
     broker: Broker
     history: History
+    readings: Readings
     snapshot_warn_s: float = 60.0
+
+
+StatusReading = tuple[list[QueueStatus], datetime, dict[str, dict[str, float | None]]]
+
+
+def status_reading(conn: Conn, app: Settings) -> Reading[StatusReading]:
+    """Every queue's status (kept: see :mod:`.readings`), the database's time then, and the
+    rates since the reading before."""
+
+    def read(c: Conn) -> StatusReading:
+        statuses = app.broker.status(c)
+        return statuses, db_now(c), app.history.add(statuses)
+
+    return app.readings.get(conn, "status", read)
+
+
+def _reading_info(reading: Reading[Any]) -> dict[str, float]:
+    return {"age_seconds": round(reading.age(), 3), "took_seconds": round(reading.took, 3)}
 
 
 def jsonable(value: Any) -> Any:
@@ -73,10 +100,9 @@ def overview(conn: Conn, app: Settings, *, include_all: bool = False) -> dict[st
     sessions holding back the cleanup horizon, and the chart's series."""
     broker = app.broker
     expiries = broker.expiring(conn)
-    statuses = broker.status(conn)
-    now = db_now(conn)
     holders = broker.horizon(conn, limit=5)
-    rates = app.history.add(statuses)
+    reading = status_reading(conn, app)
+    statuses, now, rates = reading.value
     expired = {e.queue for e in expiries if e.expired}
     shown = [s for s in statuses if include_all or s.queue in expired or not is_internal(s)]
     by_queue = {e.queue: e for e in expiries}
@@ -104,6 +130,7 @@ def overview(conn: Conn, app: Settings, *, include_all: bool = False) -> dict[st
         "warnings": warnings,
         "horizon": [_holder(h) for h in holders if h.kind != "hidden"],
         "history": app.history.series(),
+        "reading": _reading_info(reading),
     }
 
 
@@ -124,17 +151,21 @@ def queue_page(conn: Conn, app: Settings, name: str, *, limit: int = 50) -> dict
     """``/api/queue``: a queue's status (as in ``/api/status``) and its largest channels,
     by backlog, at most ``limit``."""
     broker = app.broker
-    statuses = broker.status(conn)
+    statuses, _, rates = status_reading(conn, app).value
     found = [s for s in statuses if s.queue == name]
     if not found:
         raise NotFound(f"no queue {name!r}")
-    rates = app.history.add(statuses)
-    channels = broker.queue(name).channels(conn, limit=limit)
-    now = db_now(conn)
+
+    def read(c: Conn) -> tuple[list[ChannelStatus], datetime]:
+        return broker.queue(name).channels(c, limit=limit), db_now(c)
+
+    reading = app.readings.get(conn, ("channels", name, limit), read)
+    channels, now = reading.value
     status = status_dict(found[0], now) | {"rates": rates[name]}
     rows = [channel_dict(c, now) for c in channels]
     return {
         "time": now.isoformat(),
+        "reading": _reading_info(reading),
         "schema": broker.schema,
         "queue": status,
         "channels": rows,

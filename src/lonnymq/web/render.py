@@ -40,7 +40,9 @@ class Web:
     refresh_s: float
 
     def close(self) -> None:
-        """Close the database connections (a mounted app: call it from the host's shutdown)."""
+        """Stop the background readings and close the database connections (a mounted app:
+        call it from the host's shutdown)."""
+        self.settings.readings.close()
         self.pool.close()
 
 
