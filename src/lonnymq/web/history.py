@@ -3,14 +3,13 @@
 Every reading of the queues' status (a page or an API call) is offered to :class:`History`,
 which keeps at most one a second for the last ``keep_s`` seconds (ten minutes by default).
 A queue's rates are its counters' increase since the kept reading closest to ``window_s``
-seconds before (at least one second before); the chart's series is the total rate between
-consecutive readings. Nothing is read from the database for it: with nobody looking, no
-reading is made, and the chart starts when someone opens a page.
+seconds before (at least one second before); the chart's series is the total rate at each
+reading over the few seconds before it. Nothing is read from the database for it: with
+nobody looking, no reading is made, and the chart starts when someone opens a page.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import deque
@@ -70,22 +69,28 @@ class History:
             }
         return out
 
-    def series(self) -> list[dict[str, float]]:
-        """The total rates between consecutive kept readings, oldest first: ``{"t": unix
-        time of the later reading, "enqueued": per_s, ...}``; a queue that appears or goes
-        between two readings does not count in that step."""
+    def series(self, smooth_s: float = 6.0) -> list[dict[str, float]]:
+        """The total rates at each kept reading, oldest first, each over the ``smooth_s``
+        seconds before it (or since the reading before, if that is longer): ``{"t": unix time
+        of the reading, "enqueued": per_s, ...}``. A queue that appears or goes in between
+        does not count in that point."""
         with self._lock:
             readings = list(self._readings)
         points: list[dict[str, float]] = []
-        for a, b in itertools.pairwise(readings):
+        for i in range(1, len(readings)):
+            b = readings[i]
+            j = i - 1
+            while j > 0 and b.mono - readings[j - 1].mono <= smooth_s:
+                j -= 1
+            a = readings[j]
             elapsed = b.mono - a.mono
             totals = [0.0, 0.0, 0.0, 0.0]
             for queue, counts in b.counters.items():
                 before = a.counters.get(queue)
                 if before is None:
                     continue
-                for i in range(4):
-                    totals[i] += max(0, counts[i] - before[i])
+                for k in range(4):
+                    totals[k] += max(0, counts[k] - before[k])
             point = {"t": round(b.wall, 3)}
             point.update(
                 {name: round(v / elapsed, 3) for name, v in zip(RATE_COUNTERS, totals, strict=True)}

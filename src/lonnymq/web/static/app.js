@@ -37,23 +37,27 @@
     try { points = JSON.parse(box.getAttribute("data-history") || "[]"); } catch (e) { return; }
     if (!Array.isArray(points) || points.length < 2) { return; }
     var width = Math.max(box.clientWidth, 200), height = 150, left = 44, bottom = 18, top = 8;
-    var end = points[points.length - 1].t, start = end - WINDOW_S;
+    // the last ten minutes, or less while the readings cover less (at least a minute)
+    var end = points[points.length - 1].t;
+    var span = Math.min(WINDOW_S, Math.max(60, end - points[0].t));
+    var start = end - span;
     points = points.filter(function (p) { return p.t >= start; });
     var top_value = 0;
     points.forEach(function (p) {
       SERIES.forEach(function (s) { top_value = Math.max(top_value, Number(p[s]) || 0); });
     });
     var ymax = niceMax(top_value);
-    var x = function (t) { return left + (width - left - 4) * (t - start) / WINDOW_S; };
+    var x = function (t) { return left + (width - left - 4) * (t - start) / span; };
     var y = function (v) { return top + (height - top - bottom) * (1 - v / ymax); };
     var svg = el("svg", { viewBox: "0 0 " + width + " " + height, role: "img",
-      "aria-label": "messages per second over the last ten minutes" });
+      "aria-label": "messages per second over the last minutes" });
     [0, 0.5, 1].forEach(function (f) {
       var v = ymax * f;
       svg.appendChild(el("line", { x1: left, x2: width - 4, y1: y(v), y2: y(v), "class": "grid-line" }));
       svg.appendChild(el("text", { x: left - 6, y: y(v) + 3, "text-anchor": "end", "class": "axis" }, label(v)));
     });
-    [[start, "-10m"], [start + WINDOW_S / 2, "-5m"], [end, "now"]].forEach(function (tick, i) {
+    var ago = function (s) { return "-" + (s < 120 ? Math.round(s) + "s" : Math.round(s / 60) + "m"); };
+    [[start, ago(span)], [start + span / 2, ago(span / 2)], [end, "now"]].forEach(function (tick, i) {
       var anchor = i === 0 ? "start" : (i === 2 ? "end" : "middle");
       svg.appendChild(el("text", { x: x(tick[0]), y: height - 4, "text-anchor": anchor, "class": "axis" }, tick[1]));
     });
