@@ -141,8 +141,16 @@ def test_mounted_in_another_app(pg_dsn: str, schema: str, conn: Conn) -> None:
     fill(conn, schema)
     web = create_app(pg_dsn, schema=schema)
     host = Starlette(routes=[Mount("/ops/queues", app=web)])
+
+    async def dispatcher(scope: Any, receive: Any, send: Any) -> None:
+        """As docs/web.md's Django asgi.py: /other/ to the view, the rest to the host."""
+        if scope["type"] == "http" and scope["path"].startswith("/other/"):
+            await web(dict(scope, root_path=scope.get("root_path", "") + "/other"), receive, send)
+        else:
+            await host(scope, receive, send)
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(dispatcher, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -159,6 +167,9 @@ def test_mounted_in_another_app(pg_dsn: str, schema: str, conn: Conn) -> None:
             api = http.get("/ops/queues/api/queue", params={"q": "emails"})
             assert api.json()["channels"][0]["channel"] == "a"
             assert http.get("/ops/queues/api/messages", params={"limit": "x"}).status_code == 400
+            other = http.get("/other/queue", params={"q": "emails"})
+            assert other.status_code == 200 and 'href="/other/messages?queue=emails' in other.text
+            assert http.get("/other/static/app.css").status_code == 200
     finally:
         server.should_exit = True
         thread.join(timeout=15)
