@@ -1,7 +1,8 @@
 """What an operator is shown of the queues, shared by the command line (``lonnymq status``,
 ``top``) and the web view (``lonnymq web``): a queue's status as a JSON-ready dict, the
-rates between two readings, which queues are Kombu's idle plumbing, and the warnings about a
-held snapshot and queues past their ``x-expires``. Built on the queue API only."""
+rates between two readings, which queues are Kombu's idle plumbing, the warnings about a held
+snapshot and queues past their ``x-expires``, and a message's body decoded as ``lonnymq
+messages show`` prints it. Built on the queue API only."""
 
 from __future__ import annotations
 
