@@ -26,6 +26,12 @@
 -- channel_count rows by size, say), which is a hot-path decision.
 -- (channel_list_v1 also runs ingest_v1 first; this one does not, so it stays STABLE and
 -- read-only: a web view needs no write, and may then run on a read-only role or a replica.)
+-- Also wanted here: the age of each channel's oldest ready message. The page shows how long a
+-- channel has waited for its turn (lane.turn_at, NULL while it is at its max_concurrency:
+-- then it says "at limit"); the oldest ready message of a channel is, to the ingest's
+-- knowledge, min(pos_at) of its live lane (the first ready message per priority), a column
+-- this function could return from the lane row it already reads:
+--     (SELECT min(p) FROM unnest(l.pos_at) AS p WHERE p <= clock_timestamp()) AS oldest_ready_at
 CREATE FUNCTION {schema}.channel_top_v1(p_queue text, p_limit integer)
 RETURNS TABLE (
     channel_name text, size integer, in_flight integer, max_concurrency integer,
@@ -59,7 +65,7 @@ LANGUAGE sql STABLE AS $$
     FROM top
     CROSS JOIN LATERAL {schema}.channel_limits_v1(p_queue, top.channel) AS lim
     LEFT JOIN LATERAL (
-        SELECT x.turn_at, x.served_at FROM {schema}.lane x
+        SELECT x.turn_at, x.served_at FROM {schema}.lane x  -- (and x.pos_at, see above)
         WHERE x.queue = p_queue AND x.channel = top.channel ORDER BY x.id DESC LIMIT 1
     ) AS l ON true
     ORDER BY top.size DESC, top.in_flight DESC, top.channel
