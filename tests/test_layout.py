@@ -1,6 +1,7 @@
 """The layout of ``src/lonnymq`` holds: no import cycle among its modules, the layers import one
-way only (Celery/Kombu -> transport -> queue API -> SQL; the command line beside the
-transport), and no module is over 500 lines.
+way only (Celery/Kombu -> transport -> queue API -> SQL; the command line and the web view
+beside the transport, sharing what an operator is shown through ``lonnymq.report``), and no
+module is over 500 lines.
 
 The graph is read from the source files with :mod:`ast` (nothing is imported), so it is the
 graph of the tree next to this file. Every ``import`` and ``from ... import`` statement counts,
@@ -32,11 +33,21 @@ OVER_LIMIT: dict[str, str] = {}
 _CELERY = ("lonnymq.celery", "lonnymq.celery_steps", "lonnymq.celery_cli")
 #: What each layer may not import (a module, with its submodules): the queue API nothing above
 #: it; the transport neither the command line nor the Celery helpers; the command line, which
-#: talks to the queue API directly, not the transport.
+#: talks to the queue API directly, not the transport; the web view (which the command line
+#: serves) nothing of the transport, the command line or Celery.
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "lonnymq.queue": ("lonnymq.transport", "lonnymq.cli", "lonnymq.metrics", *_CELERY),
-    "lonnymq.transport": ("lonnymq.cli", "lonnymq.metrics", *_CELERY),
+    "lonnymq.queue": (
+        "lonnymq.transport",
+        "lonnymq.cli",
+        "lonnymq.metrics",
+        "lonnymq.web",
+        "lonnymq.report",
+        *_CELERY,
+    ),
+    "lonnymq.transport": ("lonnymq.cli", "lonnymq.metrics", "lonnymq.web", *_CELERY),
     "lonnymq.cli": ("lonnymq.transport", *_CELERY),
+    "lonnymq.report": ("lonnymq.transport", "lonnymq.cli", "lonnymq.web", *_CELERY),
+    "lonnymq.web": ("lonnymq.transport", "lonnymq.cli", "lonnymq.metrics", *_CELERY),
 }
 
 

@@ -14,6 +14,7 @@
                                                   reschedule or edit a waiting message
     lonnymq purge QUEUE [--dead] [--yes]          delete waiting messages (or dead letters)
     lonnymq metrics --port N                      serve Prometheus metrics for the database
+    lonnymq web [--port N] [--allow-actions]      the web view (docs/web.md)
     lonnymq housekeep                             expire, prune dead letters (clients do it too)
     lonnymq grant producer|worker|admin ROLE / revoke ROLE
 

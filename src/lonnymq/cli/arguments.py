@@ -27,6 +27,7 @@ from .policies import UNSET, cmd_policy, cmd_queue
 from .roles import cmd_grant
 from .schema import cmd_housekeep, cmd_migrate
 from .status import cmd_channels, cmd_stats, cmd_status, cmd_top
+from .web import TOKEN_ENV, cmd_web
 
 
 def _int(text: str, low: int) -> int:
@@ -86,6 +87,13 @@ def _on_off(text: str) -> bool:
     if value in ("off", "false", "no", "0"):
         return False
     raise argparse.ArgumentTypeError(f"expected on or off, not {text!r}")
+
+
+def _port(text: str) -> int:
+    value = _int(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("must be 65535 or less")
+    return value
 
 
 def _seconds(text: str) -> float:
@@ -311,6 +319,48 @@ def parser(dsn: str | None = None, schema: str | None = None) -> argparse.Argume
     revoke = sub.add_parser("revoke", parents=[common], help="take a role's lonnymq rights")
     revoke.add_argument("role")
     revoke.set_defaults(func=cmd_grant)
+
+    web = sub.add_parser(
+        "web",
+        parents=[common],
+        help="serve the web view (read-only unless --allow-actions with a token)",
+        description="Serve the web view of the schema: queues, channels, messages, dead "
+        "letters (docs/web.md). Read-only unless --allow-actions and a token are given.",
+    )
+    web.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    web.add_argument("--port", type=_port, default=8808, help="port to listen on (8808)")
+    web.add_argument(
+        "--allow-actions",
+        action="store_true",
+        help="let people signed in with the token retry and delete messages, purge queues "
+        "and set policies",
+    )
+    web.add_argument(
+        "--token",
+        default=None,
+        help=f"the access token for actions (at least 16 characters; default ${TOKEN_ENV}; "
+        "prefer the variable: a command line is visible to other users)",
+    )
+    web.add_argument(
+        "--audit-log", metavar="PATH", help="append the audit log there (default: stderr)"
+    )
+    web.add_argument("--refresh", type=_seconds, default=2.0, help="seconds between refreshes (2)")
+    web.add_argument(
+        "--snapshot-warn",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="warn when a session has held a snapshot for longer (default 60)",
+    )
+    web.add_argument("--root-path", default="", help="the prefix a reverse proxy serves it at")
+    web.add_argument(
+        "--proxy-headers",
+        action="store_true",
+        help="trust X-Forwarded-For/-Proto from --forwarded-allow-ips (behind a proxy)",
+    )
+    web.add_argument("--forwarded-allow-ips", default="127.0.0.1", help="proxies to trust")
+    web.add_argument("--access-log", action="store_true", help="log every request")
+    web.set_defaults(func=cmd_web)
 
     stats = sub.add_parser("stats", parents=[common], help="counters of queues (see status)")
     stats.add_argument("queues", nargs="*", help="default: every queue")

@@ -4,8 +4,6 @@ dead letters themselves."""
 from __future__ import annotations
 
 import argparse
-import base64
-import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -15,7 +13,8 @@ from typing import Any
 import psycopg
 
 from ..queue import Broker
-from ..queue.operate import MessageDetail, MessageInfo, state_arg
+from ..queue.operate import MessageInfo, state_arg
+from ..report import message_body
 from . import term
 from .common import confirm, connect, db_now, fields_of, print_json, style_of, usage_error
 
@@ -98,25 +97,6 @@ def cmd_messages_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _body(detail: MessageDetail) -> tuple[Any, dict[str, Any] | None]:
-    """The kombu payload's body, decoded where it can be (base64, then JSON), and the
-    payload's headers."""
-    payload = detail.payload()
-    if payload is None:
-        return detail.content.decode("utf-8", "replace"), None
-    body = payload.get("body")
-    props = payload.get("properties") or {}
-    if isinstance(body, str) and props.get("body_encoding") == "base64":
-        try:
-            body = base64.b64decode(body).decode("utf-8")
-        except (ValueError, UnicodeDecodeError):
-            return body, payload.get("headers")
-    if isinstance(body, str) and "json" in str(payload.get("content-type", "")):
-        with contextlib.suppress(ValueError):
-            body = json.loads(body)
-    return body, payload.get("headers")
-
-
 def cmd_messages_show(args: argparse.Namespace) -> int:
     broker = Broker(args.schema)
     with connect(args) as conn:
@@ -126,7 +106,7 @@ def cmd_messages_show(args: argparse.Namespace) -> int:
     if detail is None:
         print(f"lonnymq: no message {args.id}", file=sys.stderr)
         return 1
-    body, headers = _body(detail)
+    body, headers = message_body(detail)
     meta = {
         name: term.jsonable(value)
         for name, value in fields_of(detail)

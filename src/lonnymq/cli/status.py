@@ -14,56 +14,13 @@ from typing import Any
 import psycopg
 
 from ..dsn import mask_password
-from ..queue import Broker, QueueExpiry, QueueStatus, RateHeld
+from ..queue import Broker, QueueStatus
+from ..report import expired_warning, horizon_warning
+from ..report import is_internal as _is_internal
+from ..report import rates as _rates
+from ..report import status_dict as _status_dict
 from . import term
 from .common import connect, db_now, dsn_of, fields_of, print_json, style_of
-
-
-def _status_dict(
-    s: QueueStatus,
-    now: datetime,
-    expiry: QueueExpiry | None = None,
-    held: RateHeld | None = None,
-) -> dict[str, Any]:
-    return {
-        "queue": s.queue,
-        "ready": s.ready,
-        "delayed": s.delayed,
-        "in_flight": s.in_flight,
-        "dead": s.dead,
-        "total": s.total,
-        "oldest_ready_age_seconds": s.oldest_ready_age(now),
-        "channels": s.channels,
-        "counters": {
-            "enqueued": s.counters.enqueued,
-            "delivered": s.counters.delivered,
-            "redelivered": s.counters.redelivered,
-            "acked": s.counters.acked,
-            "deferred": s.counters.deferred,
-            "dead": s.counters.dead,
-            "expired": s.counters.expired,
-            "dropped": s.counters.dropped,
-        },
-        "policy": {"max_concurrency": s.max_concurrency, "max_size": s.max_size},
-        "settings": {
-            "dead_letter": s.settings.dead_letter,
-            "max_attempts": s.settings.max_attempts,
-            "dead_retention_ms": s.settings.dead_retention_ms,
-        },
-        # messages due now that wait for their channel's rate (its next token)
-        "rate_held": {
-            "channels": 0 if held is None else held.channels,
-            "messages": 0 if held is None else held.messages,
-        },
-        # x-expires: None for a queue without one
-        "expiry": None
-        if expiry is None
-        else {
-            "expires_ms": expiry.expires_ms,
-            "unused_seconds": round(expiry.unused_seconds, 3),
-            "expired": expiry.expired,
-        },
-    }
 
 
 def _read_status(
@@ -85,38 +42,6 @@ def _read_status(
     return statuses, now
 
 
-def expired_warning(expiries: list[QueueExpiry], statuses: list[QueueStatus]) -> str | None:
-    """A warning naming the queues past their ``x-expires`` that are still there (leftovers of
-    processes that are gone, which no client of the schema has swept since), with what they
-    hold, else None."""
-    expired = [e for e in expiries if e.expired]
-    if not expired:
-        return None
-    totals = {s.queue: s.total for s in statuses}
-    held = sum(totals.get(e.queue, 0) for e in expired)
-    named = ", ".join(f"{e.queue} ({totals.get(e.queue, 0):,})" for e in expired[:10])
-    more = f" and {len(expired) - 10} more" if len(expired) > 10 else ""
-    return (
-        f"warning: {len(expired)} queue(s) past their x-expires, holding {held:,} "
-        f"message(s): {named}{more}. The next sweep deletes them (any client of the schema "
-        "sweeps every expire_interval); with none running, run `lonnymq housekeep` "
-        "(docs/operations.md, 'Housekeeping')"
-    )
-
-
-def _is_internal(s: QueueStatus) -> bool:
-    """Kombu's and Celery's own plumbing (pidbox, events, reply queues) when idle: hidden from
-    status and top unless --all, or unless something is waiting there."""
-    name = s.queue
-    plumbing = (
-        name.endswith(".pidbox")
-        or name.startswith("celeryev.")
-        or name.endswith(".reply.celery.pidbox")
-        or (len(name) == 36 and name.count("-") == 4)  # a reply queue named by a uuid
-    )
-    return plumbing and s.total == 0 and s.dead == 0
-
-
 _STATUS_HEAD = ["QUEUE", "READY", "DELAYED", "IN FLIGHT", "DEAD", "OLDEST READY", "CHANNELS"]
 
 
@@ -135,39 +60,6 @@ def _status_row(s: QueueStatus, now: datetime, style: term.Style) -> list[str]:
         oldest_text,
         term.number(s.channels),
     ]
-
-
-def horizon_warning(conn: psycopg.Connection[Any], broker: Broker, threshold: float) -> str | None:
-    """A warning naming what holds back the database's cleanup horizon, when the oldest
-    session or prepared transaction is older than ``threshold`` seconds (or a replication
-    slot holds it back), else None."""
-    holders = broker.horizon(conn, limit=5)
-    hidden = sum(int(h.detail or 0) for h in holders if h.kind == "hidden")
-    old = [
-        h
-        for h in holders
-        if (h.kind in ("session", "prepared") and (h.age_s or 0) >= threshold)
-        or (h.kind == "slot" and (h.xid_age or 0) > 0)
-    ]
-    if not old:
-        return None
-    h = old[0]
-    age = term.age(h.age_s) if h.age_s is not None else f"{h.xid_age} transactions"
-    if h.kind == "session":
-        who = (
-            f"session pid {h.pid} (application {h.application_name or '-'!r}, "
-            f"state {h.state or '-'}) has held a snapshot for {age}"
-        )
-    elif h.kind == "prepared":
-        who = f"prepared transaction {h.application_name!r} has been open for {age}"
-    else:
-        who = f"replication slot {h.application_name!r} holds back {age}"
-    more = f" ({len(old) - 1} more)" if len(old) > 1 else ""
-    unseen = f"; {hidden} session(s) of other roles are not visible" if hidden else ""
-    return (
-        f"warning: {who}{more}{unseen}. Postgres keeps every row deleted since then: "
-        "lonnymq's tables grow until it ends (docs/operations.md, 'A held snapshot')"
-    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -240,21 +132,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 _TOP_HEAD = [*_STATUS_HEAD, "ENQ/S", "DELIV/S", "ACK/S", "DEAD/S"]
-
-
-def _rates(
-    s: QueueStatus, before: dict[str, QueueStatus], elapsed: float | None
-) -> list[float | None]:
-    prev = before.get(s.queue)
-    if prev is None or not elapsed:
-        return [None, None, None, None]
-    a, b = prev.counters, s.counters
-    return [
-        max(0, b.enqueued - a.enqueued) / elapsed,
-        max(0, b.delivered - a.delivered) / elapsed,
-        max(0, b.acked - a.acked) / elapsed,
-        max(0, b.dead - a.dead) / elapsed,
-    ]
 
 
 def cmd_top(args: argparse.Namespace) -> int:

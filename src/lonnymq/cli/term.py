@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import Any, TextIO
 
 from ..queue.rate import Rate
+from ..report import age as age
 
 _CODES = {
     "bold": "1",
@@ -88,20 +89,6 @@ def rate(value: float | None) -> str:
     if value >= 100:
         return f"{value:,.0f}"
     return f"{value:,.1f}"
-
-
-def age(seconds: float | None) -> str:
-    """3.2s, 4m05s, 2h10m, 3d04h."""
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    s = int(seconds)
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def since(at: datetime | None, now: datetime) -> str:

@@ -1,0 +1,194 @@
+"""What an operator is shown of the queues, shared by the command line (``lonnymq status``,
+``top``) and the web view (``lonnymq web``): a queue's status as a JSON-ready dict, the
+rates between two readings, which queues are Kombu's idle plumbing, the warnings about a held
+snapshot and queues past their ``x-expires``, and a message's body decoded as ``lonnymq
+messages show`` prints it. Built on the queue API only."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from .queue import Broker, HorizonHolder, MessageDetail, QueueExpiry, QueueStatus, RateHeld
+
+#: The counters whose rates ``top`` and the web view show, in order.
+RATE_COUNTERS = ("enqueued", "delivered", "acked", "dead")
+
+
+def age(seconds: float | None) -> str:
+    """3.2s, 4m05s, 2h10m, 3d04h."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    s = int(seconds)
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def status_dict(
+    s: QueueStatus,
+    now: datetime,
+    expiry: QueueExpiry | None = None,
+    held: RateHeld | None = None,
+) -> dict[str, Any]:
+    """One queue as ``lonnymq status --json`` prints it."""
+    return {
+        "queue": s.queue,
+        "ready": s.ready,
+        "delayed": s.delayed,
+        "in_flight": s.in_flight,
+        "dead": s.dead,
+        "total": s.total,
+        "oldest_ready_age_seconds": s.oldest_ready_age(now),
+        "channels": s.channels,
+        "counters": {
+            "enqueued": s.counters.enqueued,
+            "delivered": s.counters.delivered,
+            "redelivered": s.counters.redelivered,
+            "acked": s.counters.acked,
+            "deferred": s.counters.deferred,
+            "dead": s.counters.dead,
+            "expired": s.counters.expired,
+            "dropped": s.counters.dropped,
+        },
+        "policy": {"max_concurrency": s.max_concurrency, "max_size": s.max_size},
+        "settings": {
+            "dead_letter": s.settings.dead_letter,
+            "max_attempts": s.settings.max_attempts,
+            "dead_retention_ms": s.settings.dead_retention_ms,
+        },
+        # messages due now that wait for their channel's rate (its next token)
+        "rate_held": {
+            "channels": 0 if held is None else held.channels,
+            "messages": 0 if held is None else held.messages,
+        },
+        # x-expires: None for a queue without one
+        "expiry": None
+        if expiry is None
+        else {
+            "expires_ms": expiry.expires_ms,
+            "unused_seconds": round(expiry.unused_seconds, 3),
+            "expired": expiry.expired,
+        },
+    }
+
+
+def rates(
+    s: QueueStatus, before: Mapping[str, QueueStatus], elapsed: float | None
+) -> list[float | None]:
+    """Enqueued, delivered, acked and dead-lettered per second since the reading ``before``
+    (``elapsed`` seconds ago); None without one."""
+    prev = before.get(s.queue)
+    if prev is None or not elapsed:
+        return [None, None, None, None]
+    a, b = prev.counters, s.counters
+    return [
+        max(0, b.enqueued - a.enqueued) / elapsed,
+        max(0, b.delivered - a.delivered) / elapsed,
+        max(0, b.acked - a.acked) / elapsed,
+        max(0, b.dead - a.dead) / elapsed,
+    ]
+
+
+def is_internal(s: QueueStatus) -> bool:
+    """Kombu's and Celery's own plumbing (pidbox, events, reply queues) when idle: hidden from
+    status and top unless asked for, or unless something is waiting there."""
+    name = s.queue
+    plumbing = (
+        name.endswith(".pidbox")
+        or name.startswith("celeryev.")
+        or name.endswith(".reply.celery.pidbox")
+        or (len(name) == 36 and name.count("-") == 4)  # a reply queue named by a uuid
+    )
+    return plumbing and s.total == 0 and s.dead == 0
+
+
+def expired_warning(expiries: Sequence[QueueExpiry], statuses: Sequence[QueueStatus]) -> str | None:
+    """A warning naming the queues past their ``x-expires`` that are still there (leftovers of
+    processes that are gone, which no client of the schema has swept since), with what they
+    hold, else None."""
+    expired = [e for e in expiries if e.expired]
+    if not expired:
+        return None
+    totals = {s.queue: s.total for s in statuses}
+    held = sum(totals.get(e.queue, 0) for e in expired)
+    named = ", ".join(f"{e.queue} ({totals.get(e.queue, 0):,})" for e in expired[:10])
+    more = f" and {len(expired) - 10} more" if len(expired) > 10 else ""
+    return (
+        f"warning: {len(expired)} queue(s) past their x-expires, holding {held:,} "
+        f"message(s): {named}{more}. The next sweep deletes them (any client of the schema "
+        "sweeps every expire_interval); with none running, run `lonnymq housekeep` "
+        "(docs/operations.md, 'Housekeeping')"
+    )
+
+
+def old_holders(holders: Sequence[HorizonHolder], threshold: float) -> list[HorizonHolder]:
+    """The holders of the cleanup horizon worth a warning: sessions and prepared transactions
+    older than ``threshold`` seconds, replication slots that hold anything back."""
+    return [
+        h
+        for h in holders
+        if (h.kind in ("session", "prepared") and (h.age_s or 0) >= threshold)
+        or (h.kind == "slot" and (h.xid_age or 0) > 0)
+    ]
+
+
+def horizon_text(holders: Sequence[HorizonHolder], threshold: float) -> str | None:
+    """The warning of :func:`horizon_warning`, from holders already read."""
+    hidden = sum(int(h.detail or 0) for h in holders if h.kind == "hidden")
+    old = old_holders(holders, threshold)
+    if not old:
+        return None
+    h = old[0]
+    held = age(h.age_s) if h.age_s is not None else f"{h.xid_age} transactions"
+    if h.kind == "session":
+        who = (
+            f"session pid {h.pid} (application {h.application_name or '-'!r}, "
+            f"state {h.state or '-'}) has held a snapshot for {held}"
+        )
+    elif h.kind == "prepared":
+        who = f"prepared transaction {h.application_name!r} has been open for {held}"
+    else:
+        who = f"replication slot {h.application_name!r} holds back {held}"
+    more = f" ({len(old) - 1} more)" if len(old) > 1 else ""
+    unseen = f"; {hidden} session(s) of other roles are not visible" if hidden else ""
+    return (
+        f"warning: {who}{more}{unseen}. Postgres keeps every row deleted since then: "
+        "lonnymq's tables grow until it ends (docs/operations.md, 'A held snapshot')"
+    )
+
+
+def horizon_warning(conn: psycopg.Connection[Any], broker: Broker, threshold: float) -> str | None:
+    """A warning naming what holds back the database's cleanup horizon, when the oldest
+    session or prepared transaction is older than ``threshold`` seconds (or a replication
+    slot holds it back), else None."""
+    return horizon_text(broker.horizon(conn, limit=5), threshold)
+
+
+def message_body(detail: MessageDetail) -> tuple[Any, dict[str, Any] | None]:
+    """The kombu payload's body, decoded where it can be (base64, then JSON), and the
+    payload's headers."""
+    payload = detail.payload()
+    if payload is None:
+        return detail.content.decode("utf-8", "replace"), None
+    body = payload.get("body")
+    props = payload.get("properties") or {}
+    if isinstance(body, str) and props.get("body_encoding") == "base64":
+        try:
+            body = base64.b64decode(body).decode("utf-8")
+        except (ValueError, UnicodeDecodeError):
+            return body, payload.get("headers")
+    if isinstance(body, str) and "json" in str(payload.get("content-type", "")):
+        with contextlib.suppress(ValueError):
+            body = json.loads(body)
+    return body, payload.get("headers")

@@ -1,0 +1,176 @@
+"""The web view in a real headless browser (Debian's chromium and chromedriver, driven by
+Selenium): the overview during live traffic refreshes its figures without reloading the page,
+draws its chart, and runs none of a hostile payload's script. Also: the app mounted inside
+another Starlette app (served by uvicorn in a thread), links and static files under its
+prefix.
+
+Skipped when chromium is missing, except in CI (``CI`` set), where it must run: .ci/run
+installs it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.routing import Mount
+
+import lonnymq
+from lonnymq.web import create_app
+from tests.conftest import free_port
+
+from ._web import SCRIPT, fill, web_server
+
+Conn = psycopg.Connection[Any]
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        if os.environ.get("CI"):
+            pytest.fail("chromium and chromedriver are missing in CI: .ci/run installs them")
+        pytest.skip(
+            "chromium or chromedriver not installed (apt-get install chromium chromium-driver)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="lonnymq-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in (
+        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1366,900",
+    ):  # fmt: skip
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+class Traffic:
+    """A thread that creates and consumes messages of queue ``live`` until stopped."""
+
+    def __init__(self, dsn: str, schema: str) -> None:
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.thread = threading.Thread(target=self.run, args=(dsn, schema), daemon=True)
+
+    def run(self, dsn: str, schema: str) -> None:
+        try:
+            queue = lonnymq.Queue("live", schema=schema)
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                n = 0
+                while not self.stop.is_set():
+                    batch = queue.batch()
+                    for _ in range(20):
+                        batch.channel(f"tenant-{n % 7}").message(f"job {n}")
+                        n += 1
+                    batch.execute(conn)
+                    got = queue.dequeue(conn, limit=12, lock_ms=30_000)
+                    for message in got.messages:
+                        message.delete(conn)
+                    self.stop.wait(0.1)
+        except BaseException as exc:  # reported by the test
+            self.errors.append(exc)
+
+    def __enter__(self) -> Traffic:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+def test_overview_updates_without_reload_during_traffic(
+    browser: Any, pg_dsn: str, schema: str, conn: Conn
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    scene = fill(conn, schema)
+    with web_server(pg_dsn, schema, "--refresh", "1") as srv, Traffic(pg_dsn, schema) as traffic:
+        browser.get(srv.base + "/")
+        assert "Queues" in browser.title or "lonnymq" in browser.title
+        browser.execute_script("window.__loaded_once = 'yes';")  # gone if the page reloads
+
+        def figures() -> tuple[str, str]:
+            read_at = browser.find_element(By.ID, "read-at").get_attribute("datetime")
+            row = browser.find_element(By.CSS_SELECTOR, 'tr[data-queue="live"]')
+            return read_at or "", row.text
+
+        first = figures()
+        seen = {first}
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len(seen) < 3:
+            time.sleep(0.5)
+            seen.add(figures())
+        assert len(seen) >= 3, f"figures did not change: {seen}"
+        assert browser.execute_script("return window.__loaded_once;") == "yes"
+        # the chart: polylines drawn by the page's own script once two readings are in
+        lines = browser.find_elements(By.CSS_SELECTOR, ".chart svg polyline")
+        assert len(lines) == 4
+        assert "stale" not in (
+            browser.find_element(By.ID, "live-status").get_attribute("class") or ""
+        )
+        # a hostile payload shows as text and runs nothing
+        browser.get(f"{srv.base}/messages/{scene.script}")
+        body = browser.find_element(By.CSS_SELECTOR, "pre.body").text
+        assert body == SCRIPT
+        assert browser.execute_script("return window.__xss;") is None
+        assert not traffic.errors, traffic.errors
+
+
+def test_mounted_in_another_app(pg_dsn: str, schema: str, conn: Conn) -> None:
+    fill(conn, schema)
+    web = create_app(pg_dsn, schema=schema)
+    host = Starlette(routes=[Mount("/ops/queues", app=web)])
+
+    async def dispatcher(scope: Any, receive: Any, send: Any) -> None:
+        """As docs/web.md's Django asgi.py: /other/ to the view, the rest to the host."""
+        if scope["type"] == "http" and scope["path"].startswith("/other/"):
+            await web(dict(scope, root_path=scope.get("root_path", "") + "/other"), receive, send)
+        else:
+            await host(scope, receive, send)
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(dispatcher, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 15
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            page = http.get("/ops/queues/")
+            assert page.status_code == 200
+            assert 'href="/ops/queues/queue?q=emails"' in page.text
+            assert 'src="/ops/queues/static/app.js"' in page.text
+            assert http.get("/ops/queues/static/app.js").status_code == 200
+            api = http.get("/ops/queues/api/queue", params={"q": "emails"})
+            assert api.json()["channels"][0]["channel"] == "a"
+            assert http.get("/ops/queues/api/messages", params={"limit": "x"}).status_code == 400
+            other = http.get("/other/queue", params={"q": "emails"})
+            assert other.status_code == 200 and 'href="/other/messages?queue=emails' in other.text
+            assert http.get("/other/static/app.css").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+        web.state.lonnymq.close()
