@@ -1040,7 +1040,12 @@ def _upgrade(
     broker = lonnymq.Broker(schema)
     queue = broker.queue("jobs")
     ch = queue.channel("t")
-    ch.policy.set(admin, max_concurrency=2)
+    # (as a client of version 2 set it; today's client calls the version-8 function)
+    admin.execute(
+        sql.SQL("SELECT {}.channel_policy_set_v1('jobs', 't', 2, NULL)").format(
+            sql.Identifier(schema)
+        )
+    )
     ids = [created(ch.message.create(producer, f"m{i}".encode())) for i in range(4)]
     created(queue.channel("u").message.create(producer, b"u", delay_ms=3_600_000))
     v1 = sql.SQL("SELECT message_id, message_lock_token FROM {}.message_dequeue_v1(%s, %s, %s)")

@@ -198,6 +198,7 @@ def test_nasty_names_are_just_data(
         "discovery",
         "exchange",
         "lane",
+        "lane_idle",
         "message",
         "migration",
         "queue",

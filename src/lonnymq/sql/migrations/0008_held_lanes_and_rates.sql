@@ -1975,3 +1975,33 @@ ALTER FUNCTION {schema}.channel_list_v2(text, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.rate_held_v1()
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+-- Roles granted a kind of rights before this migration get the new functions of their kind
+-- (see lonnymq.roles): whoever may read the status may read what rates hold back; an admin
+-- may set rates, list and read channels with them, and read lane_idle (as every table).
+DO $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT DISTINCT a.grantee::regrole::text AS role, p.proname
+        FROM pg_catalog.pg_proc p
+        CROSS JOIN LATERAL aclexplode(p.proacl) AS a
+        WHERE p.pronamespace = '{schema}'::regnamespace
+          AND p.proname IN ('queue_status_v1', 'channel_policy_set_v1')
+          AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner AND a.grantee <> 0
+    LOOP
+        IF r.proname = 'queue_status_v1' THEN
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s',
+                '{schema}.rate_held_v1()'::regprocedure, r.role);
+        ELSE
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %s, %s, %s, %s TO %s',
+                '{schema}.channel_policy_set_v2(text, text, integer, integer, integer, bigint, integer)'::regprocedure,
+                '{schema}.queue_policy_set_v2(text, integer, integer, integer, bigint, integer)'::regprocedure,
+                '{schema}.channel_get_v2(text, text)'::regprocedure,
+                '{schema}.channel_list_v2(text, integer)'::regprocedure, r.role);
+            EXECUTE format('GRANT SELECT ON %s TO %s', '{schema}.lane_idle'::regclass, r.role);
+        END IF;
+    END LOOP;
+END;
+$$;
