@@ -86,7 +86,12 @@ def test_queue_page_lists_channels_by_backlog_with_policies(server: tuple[Server
     a = api["channels"][0]
     assert (a["size"], a["max_concurrency"], a["max_size"], a["has_policy"]) == (5, 2, 1000, True)
     assert api["queue"]["channels"] == 4 and api["limit"] == 2
-    assert channel["own_policy"] == {"max_concurrency": 2, "max_size": 1000}
+    assert channel["own_policy"] == {
+        "max_concurrency": 2,
+        "max_size": 1000,
+        "rate": None,
+        "burst": None,
+    }
     assert channel["size"] == 5
     assert missing.status_code == 404
 
@@ -212,3 +217,35 @@ def test_web_needs_a_token_for_actions(pg_dsn: str, schema: str) -> None:
         [*base, "--allow-actions", "--token", "short"], capture_output=True, text=True, timeout=30
     )
     assert short.returncode == 2 and "at least 16 characters" in short.stderr
+
+
+def test_queue_page_shows_rates_and_what_they_hold(pg_dsn: str, schema: str, conn: Conn) -> None:
+    """A rated channel shows its rate, burst and tokens (or how long until its next one) in
+    the queue page and its API; the status API carries what rates hold back, as ``lonnymq
+    status --json`` does."""
+    broker = lonnymq.Broker(schema)
+    broker.install(conn)
+    queue = broker.queue("rated")
+    queue.channel("slow").policy.set(conn, rate="2/m", burst=2)
+    batch = queue.batch()
+    for i in range(6):
+        batch.channel("slow").message(f"s{i}")
+        batch.channel("free").message(f"f{i}")
+    batch.execute(conn)
+    held: list[lonnymq.Message] = []
+    for _ in range(3):
+        held += broker.dequeue(conn, ["rated"], limit=100, listen=False).messages
+    assert sum(1 for m in held if m.channel == "slow") == 2
+    with web_server(pg_dsn, schema) as srv, srv.client() as http:
+        page = http.get("/queue", params={"q": "rated"})
+        api = http.get("/api/queue", params={"q": "rated"}).json()
+        status = http.get("/api/status").json()
+    slow = next(c for c in api["channels"] if c["channel"] == "slow")
+    free = next(c for c in api["channels"] if c["channel"] == "free")
+    assert (slow["rate"], slow["burst"], slow["tokens"]) == ("2/m", 2, 0)
+    assert 25 < slow["next_token_seconds"] <= 30
+    assert (free["rate"], free["tokens"]) == (None, None)
+    assert api["has_rate"] is True
+    assert ">rate</th>" in page.text and ">2/m<" in page.text and "next in" in page.text
+    rated = next(q for q in status["queues"] if q["queue"] == "rated")
+    assert rated["rate_held"] == {"channels": 1, "messages": 4}

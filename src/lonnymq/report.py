@@ -15,10 +15,22 @@ from typing import Any
 
 import psycopg
 
-from .queue import Broker, HorizonHolder, MessageDetail, QueueExpiry, QueueStatus, RateHeld
+from .queue import Broker, HorizonHolder, MessageDetail, QueueExpiry, QueueStatus, Rate, RateHeld
 
 #: The counters whose rates ``top`` and the web view show, in order.
 RATE_COUNTERS = ("enqueued", "delivered", "acked", "dead")
+
+
+def jsonable(value: Any) -> Any:
+    """A value of a queue API result as JSON has it: times in ISO 8601, bytes as text, a rate
+    as written (``"10/s"``)."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, Rate):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "replace")
+    return value
 
 
 def age(seconds: float | None) -> str:

@@ -11,10 +11,10 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, TextIO
+from typing import TextIO
 
-from ..queue.rate import Rate
 from ..report import age as age
+from ..report import jsonable as jsonable
 
 _CODES = {
     "bold": "1",
@@ -180,13 +180,3 @@ def working(what: str, stream: TextIO | None = None) -> Iterator[None]:
         thread.join()
         out.write("\r\x1b[K")
         out.flush()
-
-
-def jsonable(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, Rate):
-        return str(value)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    return value

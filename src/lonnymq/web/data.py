@@ -20,7 +20,14 @@ from ..queue import (
     QueueStatus,
 )
 from ..queue.operate import STATES, State
-from ..report import expired_warning, horizon_text, is_internal, message_body, status_dict
+from ..report import (
+    expired_warning,
+    horizon_text,
+    is_internal,
+    jsonable,
+    message_body,
+    status_dict,
+)
 from .history import History
 from .readings import Reading, Readings
 
@@ -70,14 +77,6 @@ def _reading_info(reading: Reading[Any]) -> dict[str, float]:
     return {"age_seconds": round(reading.age(), 3), "took_seconds": round(reading.took, 3)}
 
 
-def jsonable(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "replace")
-    return value
-
-
 def fields(obj: Any) -> dict[str, Any]:
     """A result of the queue API (a slotted dataclass) as a JSON-ready dict."""
     return {name: jsonable(getattr(obj, name)) for name in obj.__slots__}
@@ -101,12 +100,16 @@ def overview(conn: Conn, app: Settings, *, include_all: bool = False) -> dict[st
     broker = app.broker
     expiries = broker.expiring(conn)
     holders = broker.horizon(conn, limit=5)
+    held = {h.queue: h for h in broker.rate_held(conn)}
     reading = status_reading(conn, app)
     statuses, now, rates = reading.value
     expired = {e.queue for e in expiries if e.expired}
     shown = [s for s in statuses if include_all or s.queue in expired or not is_internal(s)]
     by_queue = {e.queue: e for e in expiries}
-    queues = [status_dict(s, now, by_queue.get(s.queue)) | {"rates": rates[s.queue]} for s in shown]
+    queues = [
+        status_dict(s, now, by_queue.get(s.queue), held.get(s.queue)) | {"rates": rates[s.queue]}
+        for s in shown
+    ]
     warnings = [
         w
         for w in (
@@ -136,14 +139,16 @@ def overview(conn: Conn, app: Settings, *, include_all: bool = False) -> dict[st
 
 def channel_dict(c: ChannelStatus, now: datetime) -> dict[str, Any]:
     """A channel as ``lonnymq channels --json`` gives it, with the seconds it has waited for
-    its turn; and ``rate``/``burst`` where the channel's policy has them."""
+    its turn and, for a channel waiting for its rate's next token, the seconds until then."""
     out = fields(c)
     out["waiting_seconds"] = (
         None if c.waiting_since is None else max(0.0, (now - c.waiting_since).total_seconds())
     )
-    for extra in ("rate", "burst"):
-        if hasattr(c, extra):
-            out[extra] = jsonable(getattr(c, extra))
+    out["next_token_seconds"] = (
+        None
+        if c.next_token_at is None or c.next_token_at <= now
+        else (c.next_token_at - now).total_seconds()
+    )
     return out
 
 
@@ -161,7 +166,8 @@ def queue_page(conn: Conn, app: Settings, name: str, *, limit: int = 50) -> dict
 
     reading = app.readings.get(conn, ("channels", name, limit), read)
     channels, now = reading.value
-    status = status_dict(found[0], now) | {"rates": rates[name]}
+    held = [h for h in broker.rate_held(conn) if h.queue == name]
+    status = status_dict(found[0], now, None, held[0] if held else None) | {"rates": rates[name]}
     rows = [channel_dict(c, now) for c in channels]
     return {
         "time": now.isoformat(),
@@ -170,7 +176,7 @@ def queue_page(conn: Conn, app: Settings, name: str, *, limit: int = 50) -> dict
         "queue": status,
         "channels": rows,
         "limit": limit,
-        "has_rate": any("rate" in r or "burst" in r for r in rows),
+        "has_rate": any(r["rate"] is not None for r in rows),
         "largest": max((r["size"] for r in rows), default=0),
     }
 
