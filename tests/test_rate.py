@@ -19,6 +19,7 @@ from psycopg import sql
 
 import lonnymq
 from lonnymq import InvalidArgument, Rate
+from lonnymq.metrics import DatabaseCollector
 from tests.invariants import assert_consistent
 from tests.test_cli import cli
 
@@ -368,6 +369,17 @@ def test_rate_state_is_shown(broker: lonnymq.Broker, conn: Conn) -> None:
     query = sql.SQL("SELECT * FROM {}.rate_held_v1()").format(sql.Identifier(broker.schema))
     held = conn.execute(query).fetchall()
     assert held == [("q", 1, 3)]
+    assert broker.rate_held(conn) == [lonnymq.queue.RateHeld("q", 1, 3)]
+    # and the database's metrics
+    collector = DatabaseCollector(conn.info.dsn, broker.schema)
+    try:
+        metrics = {m.name: m for m in collector.collect()}
+    finally:
+        collector.close()
+    [messages] = metrics["lonnymq_queue_rate_held_messages"].samples
+    [channels] = metrics["lonnymq_queue_rate_held_channels"].samples
+    assert (messages.labels, messages.value) == ({"queue": "q"}, 3)
+    assert channels.value == 1
 
 
 # --- the command line and the transport options ---------------------------------------------

@@ -168,6 +168,9 @@ def queue_page(conn: Conn, app: Settings, name: str, *, limit: int = 50) -> dict
     channels, now = reading.value
     held = [h for h in broker.rate_held(conn) if h.queue == name]
     status = status_dict(found[0], now, None, held[0] if held else None) | {"rates": rates[name]}
+    default = broker.queue(name).policy.get(conn)
+    if default.rate is not None:
+        status["policy"] = status["policy"] | {"rate": str(default.rate), "burst": default.burst}
     rows = [channel_dict(c, now) for c in channels]
     return {
         "time": now.isoformat(),
