@@ -1709,10 +1709,11 @@ BEGIN
             v_cap := array_fill(0, ARRAY[v_n]);
             v_room := array_fill(NULL::integer, ARRAY[v_n]);
             v_max := array_fill(NULL::integer, ARRAY[v_n]);
-            v_rt := array_fill(NULL::interval, ARRAY[v_n]);
-            v_burst := array_fill(NULL::integer, ARRAY[v_n]);
-            v_tat := array_fill(NULL::timestamptz, ARRAY[v_n]);
-            v_tok := array_fill(NULL::integer, ARRAY[v_n]);
+            -- (rated lanes only: filled as they are met, NULL elsewhere)
+            v_rt := NULL;
+            v_burst := NULL;
+            v_tat := NULL;
+            v_tok := NULL;
             v_taken := array_fill(0, ARRAY[v_n]);
             v_more := array_fill(false, ARRAY[v_n]);
             v_done := array_fill(false, ARRAY[v_n]);
