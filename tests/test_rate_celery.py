@@ -124,9 +124,15 @@ def test_three_workers_hold_one_tenant_to_its_rate_and_not_the_other(
 
     alone_rate = 2000 / (alone[-1] - alone[0])
     together_rate = 2000 / (together[-1] - together[0])
+    steady = [t for t in window if t >= a_start + 1.0]
+    print(  # (shown with pytest -s: the figures of the run)
+        f"A: at most {most_in_a_second(window)} in a second, {len(steady) / 29.0:.2f}/s over "
+        f"29 s after the first; B {together_rate:.0f}/s next to A, {alone_rate:.0f}/s alone "
+        f"({together_rate / alone_rate:.2f}); after the change to 50/s: first in "
+        f"{(first_after - changed) * 1000:.0f} ms, {len(after) / 2.0:.1f}/s"
+    )
     assert most_in_a_second(window) <= 20 + 5, most_in_a_second(window)
     # (the burst comes first: the average is over the 29 s after the first second)
-    steady = [t for t in window if t >= a_start + 1.0]
     average = len(steady) / 29.0
     assert 19.0 <= average <= 21.0, average
     assert together_rate >= 0.85 * alone_rate, (together_rate, alone_rate)

@@ -236,10 +236,18 @@ def test_queue_page_shows_rates_and_what_they_hold(pg_dsn: str, schema: str, con
     for _ in range(3):
         held += broker.dequeue(conn, ["rated"], limit=100, listen=False).messages
     assert sum(1 for m in held if m.channel == "slow") == 2
+    other = broker.queue("defaulted")
+    other.policy.set(conn, rate="100/s", burst=3)
+    other.channel("x").message.create(conn, b"x")
     with web_server(pg_dsn, schema) as srv, srv.client() as http:
         page = http.get("/queue", params={"q": "rated"})
         api = http.get("/api/queue", params={"q": "rated"}).json()
         status = http.get("/api/status").json()
+        defaulted = http.get("/queue", params={"q": "defaulted"})
+        defaulted_api = http.get("/api/queue", params={"q": "defaulted"}).json()
+    assert "rate <b>100/s</b> (burst 3)" in defaulted.text
+    assert defaulted_api["queue"]["policy"]["rate"] == "100/s"
+    assert api["queue"]["policy"] == {"max_concurrency": None, "max_size": None}
     slow = next(c for c in api["channels"] if c["channel"] == "slow")
     free = next(c for c in api["channels"] if c["channel"] == "free")
     assert (slow["rate"], slow["burst"], slow["tokens"]) == ("2/m", 2, 0)
