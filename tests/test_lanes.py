@@ -137,3 +137,30 @@ def test_an_ingest_of_more_channels_than_the_lock_table_holds(
     assert len(got) == 10_000 and len({m.id for m in got}) == 10_000
     assert counters(broker, conn, "q").acked == 10_000
     assert_consistent(conn, broker.schema)
+
+
+def test_an_ingest_of_more_lanes_than_its_key_budget(broker: lonnymq.Broker, conn: Conn) -> None:
+    """1,500 channels whose lanes exist (each with a message delayed an hour) get a message
+    each in one batch: an ingest takes the keys of at most 1,000 of them, the others wait in
+    the pending arrays for the next one; every new message is delivered, once, in order."""
+    queue = broker.queue("q")
+    batch = queue.batch()
+    for i in range(1500):
+        batch.channel(f"c{i}").message(f"later{i}", delay_ms=3_600_000)
+    batch.execute(conn)
+    assert consume_all(broker, conn) == []  # (ingested: the lanes exist, with a later turn)
+    assert len(lanes(conn, broker.schema)) == 1500
+    batch = queue.batch()
+    for i in range(1500):
+        batch.channel(f"c{i}").message(f"now{i}")
+    batch.execute(conn)
+    fold(broker, conn)
+    pending = conn.execute(
+        sql.SQL("SELECT cardinality(pend_queue) FROM {}.discovery ORDER BY id DESC LIMIT 1").format(
+            sql.Identifier(broker.schema)
+        )
+    ).fetchone()
+    assert pending == (500,)
+    got = consume_all(broker, conn)
+    assert sorted(m.content for m in got) == sorted(f"now{i}".encode() for i in range(1500))
+    assert_consistent(conn, broker.schema)

@@ -333,6 +333,14 @@ DECLARE
     -- lane keys taken (each holds a slot of the server's lock table until commit: at most
     -- max_locks_per_transaction x max_connections in all, 6,400 by default)
     v_keys integer := 0;
+    -- heads of the lanes left for the next ingest (pend_*), and how many
+    v_pq text[] := ARRAY[]::text[];
+    v_pc text[] := ARRAY[]::text[];
+    v_pp smallint[] := ARRAY[]::smallint[];
+    v_pa timestamptz[] := ARRAY[]::timestamptz[];
+    v_pi bigint[] := ARRAY[]::bigint[];
+    v_np integer := 0;
+    v_k integer;
 BEGIN
     IF p_wait THEN
         PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
@@ -405,22 +413,31 @@ BEGIN
             v_cc := v_cc || r.channel;
             v_cn := v_cn || r.created;
         END IF;
-        -- a lane its owner is serving right now: for the next ingest (no waiting); so are the
-        -- lanes past the first 1,000 of this ingest (a batch across 100,000 new channels would
-        -- otherwise take 100,000 keys in one transaction and fail, at every ingest, with `out
-        -- of shared memory`)
-        IF v_keys >= 1000
-           OR NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel)) THEN
-            v_new.pend_queue := v_new.pend_queue || array_fill(r.queue, ARRAY[cardinality(r.prios)]);
-            v_new.pend_channel := v_new.pend_channel
-                || array_fill(r.channel, ARRAY[cardinality(r.prios)]);
-            v_new.pend_prio := v_new.pend_prio || r.prios;
-            v_new.pend_at := v_new.pend_at || r.pos_at;
-            v_new.pend_id := v_new.pend_id || r.pos_id;
-            CONTINUE;
-        END IF;
-        v_keys := v_keys + 1;
+        -- A channel without a lane gets one, and needs no key: no dequeue can own a lane that
+        -- has no version, and whoever else creates lanes holds the ingest key. A lane that
+        -- exists is written under its key: one its owner is serving right now waits for the
+        -- next ingest (no waiting), and so do those past the first 1,000 keys of this ingest
+        -- (each key holds a slot of the lock table until commit: 100,000 of them made every
+        -- ingest fail with `out of shared memory`).
         v_lane := {schema}.lane_get_v1(r.queue, r.channel);
+        IF v_lane.id IS NOT NULL THEN
+            IF v_keys >= 1000
+               OR NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel)) THEN
+                -- (appended in place, element by element: `||` would copy the arrays at each)
+                FOR v_k IN 1 .. cardinality(r.prios) LOOP
+                    v_np := v_np + 1;
+                    v_pq[v_np] := r.queue;
+                    v_pc[v_np] := r.channel;
+                    v_pp[v_np] := r.prios[v_k];
+                    v_pa[v_np] := r.pos_at[v_k];
+                    v_pi[v_np] := r.pos_id[v_k];
+                END LOOP;
+                CONTINUE;
+            END IF;
+            v_keys := v_keys + 1;
+            -- (again, under the key: its owner may have written a newer version meanwhile)
+            v_lane := {schema}.lane_get_v1(r.queue, r.channel);
+        END IF;
         v_put := v_lane;
         IF v_lane.id IS NULL THEN
             SELECT l.max_concurrency IS NOT NULL OR l.rate_count IS NOT NULL INTO v_limited
@@ -454,6 +471,12 @@ BEGIN
             PERFORM {schema}.lane_put_v1(v_lane.id, v_put);
         END IF;
     END LOOP;
+
+    v_new.pend_queue := v_pq;
+    v_new.pend_channel := v_pc;
+    v_new.pend_prio := v_pp;
+    v_new.pend_at := v_pa;
+    v_new.pend_id := v_pi;
 
     -- channels that got a slot back while at their max_concurrency: their lanes' turn again
     -- (the lane, then the channel row: the order of the dequeue; an ack locks only the row)
