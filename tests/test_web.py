@@ -85,6 +85,9 @@ def test_queue_page_lists_channels_by_backlog_with_policies(server: tuple[Server
     assert [c["channel"] for c in api["channels"]] == ["a", "b"]
     a = api["channels"][0]
     assert (a["size"], a["max_concurrency"], a["max_size"], a["has_policy"]) == (5, 2, 1000, True)
+    # how long its oldest ready message has waited (from its lane's positions)
+    assert a["oldest_ready_seconds"] is not None and 0 <= a["oldest_ready_seconds"] < 600
+    assert ">oldest ready</th>" in page.text
     assert api["queue"]["channels"] == 4 and api["limit"] == 2
     assert channel["own_policy"] == {
         "max_concurrency": 2,

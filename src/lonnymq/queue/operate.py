@@ -129,6 +129,8 @@ class ChannelStatus:
     #: deliveries the rate allows now (None: no rate), and when none does, when the next one is
     tokens: int | None = None
     next_token_at: datetime | None = None
+    #: since when its oldest ready message has been due (None: none is ready)
+    oldest_ready_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,14 +269,18 @@ def channels_op(schema: str, queue: str, *, limit: int = 20) -> Op[list[ChannelS
     def parse(rows: Rows) -> list[ChannelStatus]:
         out = []
         for row in rows:
-            count, per_ms, burst, tokens, next_at = row[15:20]
+            count, per_ms, burst, tokens, next_at, oldest = row[15:21]
             values = dict(zip(_CHANNEL_FIELDS, row[:15], strict=True))
             rate = None if count is None else Rate(count, per_ms)
-            out.append(
-                ChannelStatus(
-                    **values, rate=rate, burst=burst, tokens=tokens, next_token_at=next_at
-                )
+            status = ChannelStatus(
+                **values,
+                rate=rate,
+                burst=burst,
+                tokens=tokens,
+                next_token_at=next_at,
+                oldest_ready_at=oldest,
             )
+            out.append(status)
         return out
 
     return Op(schema, render(_CHANNELS, schema), (queue, count), parse)

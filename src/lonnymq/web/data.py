@@ -139,10 +139,14 @@ def overview(conn: Conn, app: Settings, *, include_all: bool = False) -> dict[st
 
 def channel_dict(c: ChannelStatus, now: datetime) -> dict[str, Any]:
     """A channel as ``lonnymq channels --json`` gives it, with the seconds it has waited for
-    its turn and, for a channel waiting for its rate's next token, the seconds until then."""
+    its turn, how long its oldest ready message has waited and, for a channel waiting for its
+    rate's next token, the seconds until then."""
     out = fields(c)
     out["waiting_seconds"] = (
         None if c.waiting_since is None else max(0.0, (now - c.waiting_since).total_seconds())
+    )
+    out["oldest_ready_seconds"] = (
+        None if c.oldest_ready_at is None else max(0.0, (now - c.oldest_ready_at).total_seconds())
     )
     out["next_token_seconds"] = (
         None

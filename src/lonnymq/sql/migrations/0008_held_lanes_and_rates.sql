@@ -1875,16 +1875,16 @@ BEGIN
 END;
 $$;
 
--- The channels of a queue, largest first, with their policies (rates too), counters, and the
+-- The channels of a queue, largest first, with their policies (rates too), counters, the
 -- state of their rate: deliveries allowed now (`tokens`) and, when none is, when the next one
--- is (`next_token_at`).
+-- is (`next_token_at`); and since when their oldest ready message has been due.
 CREATE OR REPLACE FUNCTION {schema}.channel_list_v2(p_queue text, p_limit integer)
 RETURNS TABLE (
     channel_name text, size integer, in_flight integer, max_concurrency integer,
     max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
     enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
     expired bigint, dropped bigint, rate_count integer, rate_per_ms bigint, burst integer,
-    tokens integer, next_token_at timestamptz
+    tokens integer, next_token_at timestamptz, oldest_ready_at timestamptz
 )
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -1892,7 +1892,10 @@ DECLARE
 BEGIN
     RETURN QUERY
     SELECT c.*, lim.rate_count, lim.rate_per_ms, lim.burst, st.tokens,
-           GREATEST(st.next_at, l.not_before)
+           GREATEST(st.next_at, l.not_before),
+           -- (its lane's positions: the due time of its first ready message per priority; at
+           -- most that old, as a position may lag behind what was just taken)
+           (SELECT min(p.at) FROM unnest(l.pos_at) AS p(at) WHERE p.at <= v_now)
     FROM {schema}.channel_list_v1(p_queue, p_limit) AS c
     CROSS JOIN LATERAL {schema}.channel_limits_v2(p_queue, c.channel_name) AS lim
     LEFT JOIN {schema}.channel ch ON ch.queue = p_queue AND ch.name = c.channel_name
