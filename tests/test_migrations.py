@@ -699,6 +699,10 @@ def test_everything_works_with_an_empty_search_path(
     assert conn.execute(
         sql.SQL("SELECT own_max_concurrency FROM {}.channel_get_v1('default', 'r')").format(s)
     ).fetchone() == (5,)
+    assert conn.execute(
+        sql.SQL("SELECT max_concurrency FROM {}.channel_list_v1('default', 100)").format(s)
+        + sql.SQL(" WHERE channel_name = 'r'")
+    ).fetchone() == (5,)
     r.policy.clear(conn)
 
     # stats, size, queues, purge, delete

@@ -14,7 +14,7 @@ from psycopg.types.json import Jsonb
 from ..exceptions import InvalidArgument, MessageLocked, MessageNotFound
 from . import _checks
 from ._ops import Op, Rows, no_result, render
-from .rate import Rate
+from .rate import Rate, rate_of
 
 State = Literal["ready", "delayed", "locked", "dead"]
 STATES: tuple[State, ...] = ("ready", "delayed", "locked", "dead")
@@ -271,10 +271,9 @@ def channels_op(schema: str, queue: str, *, limit: int = 20) -> Op[list[ChannelS
         for row in rows:
             count, per_ms, burst, tokens, next_at, oldest = row[15:21]
             values = dict(zip(_CHANNEL_FIELDS, row[:15], strict=True))
-            rate = None if count is None else Rate(count, per_ms)
             status = ChannelStatus(
                 **values,
-                rate=rate,
+                rate=rate_of(count, per_ms),
                 burst=burst,
                 tokens=tokens,
                 next_token_at=next_at,

@@ -13,7 +13,7 @@ from typing import LiteralString, overload
 
 from . import _checks
 from ._ops import AConn, Conn, Op, Rows, execute, no_result, render, require_sync, run
-from .rate import Rate, burst_or_none, rate_or_none
+from .rate import Rate, burst_or_none, rate_of, rate_or_none
 
 _CHANNEL_SET: LiteralString = (
     "SELECT {schema}.channel_policy_set_v2(%s::text, %s::text, %s::integer, %s::integer, "
@@ -85,7 +85,7 @@ def _limits(max_concurrency: object, max_size: object, rate: object, burst: obje
 def policy_of(
     conc: int | None, size: int | None, count: int | None, per_ms: int | None, burst: int | None
 ) -> Policy:
-    rate = None if count is None or per_ms is None else Rate(count, per_ms)
+    rate = rate_of(count, per_ms)
     return Policy(conc, size, rate, burst if rate is not None else None)
 
 

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from ..exceptions import InvalidArgument
+from . import _checks
 
-_INT4 = 2**31 - 1
+#: the largest burst
+MAX_BURST = 1_000_000
 #: the longest interval a rate may have: a day
 MAX_PER_MS = 24 * 3600 * 1000
 _UNITS = {
@@ -37,12 +39,8 @@ class Rate:
     per_ms: int = 1000
 
     def __post_init__(self) -> None:
-        checks = (("count", self.count, _INT4), ("per_ms", self.per_ms, MAX_PER_MS))
-        for what, value, high in checks:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidArgument(f"rate {what} must be an int, not {type(value).__name__}")
-            if not 1 <= value <= high:
-                raise InvalidArgument(f"rate {what} must be between 1 and {high}, not {value}")
+        _checks.integer(self.count, "rate count", low=1, high=_checks.MAX_INT4)
+        _checks.integer(self.per_ms, "rate per_ms", low=1, high=MAX_PER_MS)
 
     @classmethod
     def parse(cls, value: object) -> Rate:
@@ -86,14 +84,15 @@ def rate_or_none(value: object) -> Rate | None:
     return None if value is None else Rate.parse(value)
 
 
+def rate_of(count: int | None, per_ms: int | None) -> Rate | None:
+    """The rate of a row's (count, per_ms) columns (None: no rate)."""
+    return None if count is None or per_ms is None else Rate(count, per_ms)
+
+
 def burst_or_none(value: object, rate: Rate | None) -> int | None:
     """A burst: an int of at least 1, only with a rate (default 1 when a rate is given)."""
     if value is None:
         return None if rate is None else 1
     if rate is None:
         raise InvalidArgument("burst needs a rate: give rate= too (e.g. rate='10/s', burst=5)")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgument(f"burst must be an int, not {type(value).__name__}")
-    if not 1 <= value <= 1_000_000:
-        raise InvalidArgument(f"burst must be between 1 and 1000000, not {value}")
-    return value
+    return _checks.integer(value, "burst", low=1, high=MAX_BURST)

@@ -352,11 +352,6 @@ BEGIN
     v_snap := {schema}.snapshot_v1();
     v_now := clock_timestamp();
     v_new := v_old;
-    v_new.pend_queue := '{{}}';
-    v_new.pend_channel := '{{}}';
-    v_new.pend_prio := '{{}}';
-    v_new.pend_at := '{{}}';
-    v_new.pend_id := '{{}}';
     -- what was in progress then and has committed since
     v_xip := ARRAY(SELECT x FROM pg_snapshot_xip(v_old.snap) AS x
                    WHERE pg_visible_in_snapshot(x, v_snap));
@@ -1832,7 +1827,8 @@ BEGIN
 END;
 $$;
 
--- The channels of a queue, largest first, with their policies and counters.
+-- The channels of a queue, largest first, with their policies and counters (version 1, for
+-- clients of schema version 7 and before: channel_list_v2 without the rates).
 CREATE OR REPLACE FUNCTION {schema}.channel_list_v1(p_queue text, p_limit integer)
 RETURNS TABLE (
     channel_name text, size integer, in_flight integer, max_concurrency integer,
@@ -1841,6 +1837,29 @@ RETURNS TABLE (
     expired bigint, dropped bigint
 )
 LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY
+    SELECT c.channel_name, c.size, c.in_flight, c.max_concurrency, c.max_size, c.has_policy,
+           c.waiting_since, c.served_at, c.enqueued, c.delivered, c.acked, c.deferred, c.dead,
+           c.expired, c.dropped
+    FROM {schema}.channel_list_v2(p_queue, p_limit) AS c;
+END;
+$$;
+
+-- The channels of a queue, largest first, with their policies (rates too), counters, the
+-- state of their rate: deliveries allowed now (`tokens`) and, when none is, when the next one
+-- is (`next_token_at`); and since when their oldest ready message has been due.
+CREATE OR REPLACE FUNCTION {schema}.channel_list_v2(p_queue text, p_limit integer)
+RETURNS TABLE (
+    channel_name text, size integer, in_flight integer, max_concurrency integer,
+    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
+    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
+    expired bigint, dropped bigint, rate_count integer, rate_per_ms bigint, burst integer,
+    tokens integer, next_token_at timestamptz, oldest_ready_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
 BEGIN
     -- what committed since the ingest's snapshot (a lane's turn after a freed slot, say)
     PERFORM {schema}.ingest_v1(ARRAY[p_queue], false, false);
@@ -1867,41 +1886,18 @@ BEGIN
            lim.max_size, top.has_policy, l.turn_at, nullif(l.served_at, '-infinity'),
            coalesce(top.enqueued, 0), coalesce(top.delivered, 0), coalesce(top.acked, 0),
            coalesce(top.deferred, 0), coalesce(top.dead, 0), coalesce(top.expired, 0),
-           coalesce(top.dropped, 0)
-    FROM top
-    CROSS JOIN LATERAL {schema}.channel_limits_v1(p_queue, top.channel) AS lim
-    LEFT JOIN LATERAL {schema}.lane_get_v1(p_queue, top.channel) AS l ON true
-    ORDER BY top.size DESC, top.in_flight DESC, top.channel;
-END;
-$$;
-
--- The channels of a queue, largest first, with their policies (rates too), counters, the
--- state of their rate: deliveries allowed now (`tokens`) and, when none is, when the next one
--- is (`next_token_at`); and since when their oldest ready message has been due.
-CREATE OR REPLACE FUNCTION {schema}.channel_list_v2(p_queue text, p_limit integer)
-RETURNS TABLE (
-    channel_name text, size integer, in_flight integer, max_concurrency integer,
-    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
-    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
-    expired bigint, dropped bigint, rate_count integer, rate_per_ms bigint, burst integer,
-    tokens integer, next_token_at timestamptz, oldest_ready_at timestamptz
-)
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_now timestamptz := clock_timestamp();
-BEGIN
-    RETURN QUERY
-    SELECT c.*, lim.rate_count, lim.rate_per_ms, lim.burst, st.tokens,
+           coalesce(top.dropped, 0), lim.rate_count, lim.rate_per_ms, lim.burst, st.tokens,
            GREATEST(st.next_at, l.not_before),
            -- (its lane's positions: the due time of its first ready message per priority; at
            -- most that old, as a position may lag behind what was just taken)
            (SELECT min(p.at) FROM unnest(l.pos_at) AS p(at) WHERE p.at <= v_now)
-    FROM {schema}.channel_list_v1(p_queue, p_limit) AS c
-    CROSS JOIN LATERAL {schema}.channel_limits_v2(p_queue, c.channel_name) AS lim
-    LEFT JOIN {schema}.channel ch ON ch.queue = p_queue AND ch.name = c.channel_name
+    FROM top
+    CROSS JOIN LATERAL {schema}.channel_limits_v2(p_queue, top.channel) AS lim
+    LEFT JOIN LATERAL {schema}.lane_get_v1(p_queue, top.channel) AS l ON true
+    LEFT JOIN {schema}.channel ch ON ch.queue = p_queue AND ch.name = top.channel
     LEFT JOIN LATERAL {schema}.rate_state_v1(ch.rate_tat, ch.rate_interval, lim.rate_count,
                                              lim.rate_per_ms, lim.burst, v_now) AS st ON true
-    LEFT JOIN LATERAL {schema}.lane_get_v1(p_queue, c.channel_name) AS l ON true;
+    ORDER BY top.size DESC, top.in_flight DESC, top.channel;
 END;
 $$;
 
