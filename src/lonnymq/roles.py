@@ -55,6 +55,7 @@ _WORKER = (
     "message_dequeue_v2",
     "message_dequeue_v3",
     "message_ack_dequeue_v1",
+    "sleep_v1",
     "message_reject_v1",
     "housekeep_v1",
     "message_delete_v1",

@@ -166,3 +166,22 @@ def dequeue_op(
 
     params = (names, count, lock, ids or None, tokens or None, bool(listen))
     return Op(schema, render(_DEQUEUE, schema), params, parse)
+
+
+_SLEEP: LiteralString = "SELECT {schema}.sleep_v1(%s::text[], %s::text[], %s::text[])"
+
+
+def sleep_op(
+    schema: str, take: Sequence[str], drop: Sequence[str], check: Sequence[str]
+) -> Op[list[str]]:
+    """On the session it runs on (one that LISTENs): hold the ``sleep`` keys of the queues of
+    ``take`` (their producers then NOTIFY) and release those of ``drop``; returns the queues
+    of ``check`` that have a producer transaction open (it may have looked for sleepers
+    before the key was taken: look again once it is gone). Look for messages again after a
+    ``take`` and after a queue leaves that list."""
+    params = tuple([_checks.name(q, "queue") for q in names] for names in (take, drop, check))
+
+    def parse(rows: Rows) -> list[str]:
+        return list(rows[0][0] or ())
+
+    return Op(schema, render(_SLEEP, schema), params, parse)

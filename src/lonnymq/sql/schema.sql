@@ -403,6 +403,25 @@ BEGIN
 END;
 $$;
 
+-- Hold and release the shared `sleep` keys of queues on this session, queue by queue (the
+-- transport holds them on its LISTEN session, for the queues of its idle channels; see
+-- docs/design.md, "Wake-ups"): takes those of p_take, releases those of p_drop (keys the
+-- session holds), and returns the queues of p_check with a producer transaction open (their
+-- `produce` key is held), in name order. A client that takes a key looks for messages again
+-- afterwards, and again each time a queue it checked has no producer transaction open any
+-- more: the protocol of the dequeue's step 6.
+CREATE FUNCTION {schema}.sleep_v1(p_take text[], p_drop text[], p_check text[]) RETURNS text[]
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_unlock_shared({schema}.queue_key_v1('sleep', d.q))
+    FROM (SELECT DISTINCT u.q FROM unnest(p_drop) AS u(q) ORDER BY u.q) AS d;
+    PERFORM pg_advisory_lock_shared({schema}.queue_key_v1('sleep', t.q))
+    FROM (SELECT DISTINCT u.q FROM unnest(p_take) AS u(q) ORDER BY u.q) AS t;
+    RETURN ARRAY(SELECT DISTINCT c.q FROM unnest(p_check) AS c(q)
+                 WHERE NOT {schema}.queue_idle_v1(c.q) ORDER BY c.q);
+END;
+$$;
+
 -- The id of a queue, created on first use.
 CREATE FUNCTION {schema}.queue_ensure_v1(p_queue text) RETURNS integer
 LANGUAGE plpgsql AS $$
@@ -3805,6 +3824,9 @@ ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uu
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+ALTER FUNCTION {schema}.sleep_v1(text[], text[], text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.message_delete_v1(bigint, uuid)

@@ -5,6 +5,7 @@ and held locks in :mod:`.qos`."""
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import math
 import time
@@ -25,7 +26,7 @@ from ..queue.routing import publish_op
 from . import events
 from .acks import Held
 from .headers import delay_ms, expiration_ms, make_eta_aware, priority, str_or_none
-from .interfaces import TransportLike, Where
+from .interfaces import ChannelLike, Delivery, TransportLike, Where
 from .qos import QoS
 from .topology import TopologyChannel
 
@@ -43,6 +44,15 @@ class Channel(TopologyChannel):
     def __init__(self, connection: TransportLike, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
         self._no_ack_queues: set[str] = set()
+        #: its last fetch found nothing (the consumer sleeps on its queues, see .sleep)
+        self.idle = False
+        #: fetches in a row that brought messages
+        self.busy_rounds = 0
+
+    @property
+    def acks_nothing(self) -> bool:
+        """It consumes only without acks (Celery's pidbox, gossip, events, rpc replies)."""
+        return set(self._active_queues) <= self._no_ack_queues
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -210,7 +220,7 @@ class Channel(TopologyChannel):
             queues,
             limit=limit,
             lock_ms=self.options.lock_ms,
-            listen=self.options.use_listen,
+            listen=False,  # a get does not sleep (consumers sleep on the LISTEN session)
         )
         started = time.perf_counter()
         result: DequeueResult = self._consume(op)
@@ -236,17 +246,6 @@ class Channel(TopologyChannel):
         payload["redelivered"] = message.attempts > 1
         return payload
 
-    def fetch(self) -> tuple[int, int | None]:
-        """Dequeue up to the free prefetch window across the consumed queues and deliver.
-        Returns (messages delivered, retry_ms when nothing was available)."""
-        plan = self.fetch_plan()
-        if plan is None:
-            return 0, None
-        if isinstance(plan, int):
-            return 0, plan
-        queues, limit = plan
-        return self.take(self.connection.ack_and_dequeue(queues, limit))
-
     def fetch_plan(self) -> tuple[list[str], int] | int | None:
         """What a fetch now would ask for: (queues, limit); or the ms to wait first (a
         refill wait, see ``QoS.refill_wait``); None when there is nothing to fetch for."""
@@ -259,13 +258,19 @@ class Channel(TopologyChannel):
         limit = min(free or self.options.batch_size, self.options.batch_size)
         return list(dict.fromkeys(self._active_queues)), limit
 
-    def take(self, result: DequeueResult) -> tuple[int, int | None]:
-        """Deliver what a fetch dequeued. Returns (messages delivered, retry_ms when nothing
-        was available). Messages of queues no longer consumed (cancelled while the fetch ran
-        in the background) are released at once. The channel must be open."""
+    def accept(self, result: DequeueResult) -> tuple[list[Delivery], int | None]:
+        """Take charge of what a fetch dequeued: dead-lettered messages are reported, those
+        of queues no longer consumed (cancelled while the fetch ran in the background)
+        released at once, undecodable ones put aside, no-ack ones deleted, the others' locks
+        held. Returns the messages to deliver (in delivery order) with their payloads, and
+        retry_ms when the fetch found nothing (0: look again at once). The channel must be
+        open; :func:`deliver` delivers."""
         self._report_dead(result)
         if not result.messages:
-            return 0, result.retry_ms
+            self.idle, self.busy_rounds = True, 0
+            return [], result.retry_ms
+        self.idle = False
+        self.busy_rounds += 1
         messages = [m for m in result.messages if m.queue in self._active_queues]
         if len(messages) < len(result.messages):
             gone = [m for m in result.messages if m.queue not in self._active_queues]
@@ -273,7 +278,7 @@ class Channel(TopologyChannel):
                 self.connection.release((m.id, m.lock_token) for m in gone)
         batch = self._decodable(messages)
         if not batch:
-            return 0, 0  # all put aside or released: look again at once
+            return [], 0  # all put aside or released: look again at once
         no_ack = [m for m, _ in batch if m.queue in self._no_ack_queues]
         if no_ack:
             self._consume(
@@ -289,23 +294,15 @@ class Channel(TopologyChannel):
                     (message.id, message.lock_token),
                     (message.queue, message.channel, message.attempts),
                 )
-        delivered = 0
-        acks = self.connection.acks
-        acks.delivering(True)
-        try:
-            for message, payload in batch:
-                delivered += 1
-                self.connection._deliver(payload, message.queue)
-        except BaseException:
-            rest = [m for m, _ in batch[delivered:] if m.queue not in self._no_ack_queues]
-            for m in rest:
-                self.qos._release(self._tag(m))
-            with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
-                self.connection.release((m.id, m.lock_token) for m in rest)
-            raise
-        finally:
-            acks.delivering(False)
-        return delivered, None
+        return batch, None
+
+    def unhold(self, messages: list[QueueMessage]) -> None:
+        """Give back accepted messages that were not delivered (their locks released)."""
+        rest = [m for m in messages if m.queue not in self._no_ack_queues]
+        for m in rest:
+            self.qos._release(self._tag(m))
+        with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
+            self.connection.release((m.id, m.lock_token) for m in rest)
 
     def _decodable(self, messages: list[QueueMessage]) -> list[tuple[QueueMessage, dict[str, Any]]]:
         """The messages with their kombu payloads. One that is not a kombu payload (written by
@@ -369,3 +366,33 @@ class Channel(TopologyChannel):
         if requeue:
             return self.qos.restore_unacked()
         raise NotImplementedError("lonnymq does not support recover(requeue=False)")
+
+
+def deliver(accepted: list[tuple[ChannelLike, list[Delivery]]]) -> int:
+    """Hand what channels accepted from one round of fetches to the consumers: each
+    channel's messages in their order, those of different channels in the order they were
+    created (by id), so that a message published before another is delivered first even
+    when kombu channels of the connection consume them (a Celery revoke, then the task it
+    names). Returns how many were delivered; on an error the rest are given back."""
+    merged = list(
+        heapq.merge(
+            *[[(channel, m, payload) for m, payload in batch] for channel, batch in accepted],
+            key=lambda item: item[1].id,
+        )
+    )
+    if not merged:
+        return 0
+    acks = merged[0][0].connection.acks
+    delivered = 0
+    acks.delivering(True)
+    try:
+        for channel, message, payload in merged:
+            delivered += 1
+            channel.connection._deliver(payload, message.queue)
+    except BaseException:
+        for channel, message, _ in merged[delivered:]:
+            channel.unhold([message])
+        raise
+    finally:
+        acks.delivering(False)
+    return delivered

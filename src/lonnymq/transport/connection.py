@@ -27,7 +27,7 @@ from psycopg import sql
 
 from .. import migrator
 from ..dsn import mask_password
-from ..exceptions import ConnectionLost, SchemaNotInstalled
+from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
 from ..queue._ops import Op, run, translate
 
 logger = logging.getLogger("lonnymq.transport")
@@ -206,6 +206,7 @@ class Waiter(_Forkable):
         self._conn = None
         self._lock = threading.RLock()
         self._failed_at = 0.0
+        self._sessions = 0  # LISTEN connections opened so far
         self._pipe = self._new_pipe()
         _LIVE.add(self)
 
@@ -249,6 +250,32 @@ class Waiter(_Forkable):
             conn = self._connection()
             return conn, fresh and conn is not None
 
+    @property
+    def session(self) -> int | None:
+        """Which LISTEN session is live (a number that changes when it is reopened), or None
+        when there is none now. Does not connect."""
+        conn = self._conn
+        if conn is None or conn.closed or conn.broken:
+            return None
+        return self._sessions
+
+    def run(self, op: Op[T], queues: Collection[str]) -> tuple[T, bool] | None:
+        """Run ``op`` on the LISTEN session (the ``sleep`` keys live there). Returns its result
+        and whether a notification for ``queues`` arrived meanwhile (read while the statement
+        ran, the loop's reader does not see it); None when the session failed: then it is
+        closed, and what it held with it (the next :meth:`listening` reopens it)."""
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed or conn.broken:
+                return None
+            try:
+                result = run(conn, op)
+            except LonnyMQError as exc:
+                logger.warning("lonnymq: LISTEN session failed (%s); reconnecting", exc)
+                self.close()
+                return None
+            return result, self.notified(queues)
+
     def notified(self, queues: Collection[str] | None) -> bool:
         """Read the notifications that arrived (without blocking); True when one is for
         ``queues`` (any queue if None). A lost LISTEN connection is closed (the next
@@ -280,6 +307,7 @@ class Waiter(_Forkable):
             logger.warning("lonnymq: LISTEN unavailable, polling instead: %s", exc)
             return None
         self._conn = conn
+        self._sessions += 1
         return conn
 
     def wait(self, timeout: float, queues: Collection[str] | None = None) -> bool:

@@ -13,14 +13,19 @@ from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
 from ..queue._ops import Op
-from ..queue.dequeue import DequeueResult
+from ..queue.dequeue import DequeueResult, Message
 from .acks import Ack, AckBuffer, Held
 from .connection import PgClient, Waiter
 from .options import Options
+from .sleep import SleepKeys
 
 T = TypeVar("T")
 #: where a delivered message came from: (queue, channel, attempts)
 Where = tuple[str, str, int]
+#: a dequeued message and its kombu payload, ready to deliver
+Delivery = tuple[Message, dict[str, Any]]
+#: a planned fetch: (kombu channel, queues, limit)
+Job = tuple["ChannelLike", list[str], int]
 
 
 class HeldLocks(Protocol):
@@ -53,9 +58,23 @@ class ChannelLike(Protocol):
     def _active_queues(self) -> list[str]:
         """The queues it consumes (kombu's)."""
 
+    @property
+    def idle(self) -> bool:
+        """Its last fetch found nothing."""
+
+    @property
+    def busy_rounds(self) -> int:
+        """Fetches in a row that brought messages."""
+
+    @property
+    def acks_nothing(self) -> bool:
+        """It consumes only without acks."""
+
     def fetch_plan(self) -> tuple[list[str], int] | int | None: ...
 
-    def take(self, result: DequeueResult) -> tuple[int, int | None]: ...
+    def accept(self, result: DequeueResult) -> tuple[list[Delivery], int | None]: ...
+
+    def unhold(self, messages: list[Message]) -> None: ...
 
     def _finalize(
         self,
@@ -107,7 +126,21 @@ class TransportLike(Protocol):
 
     def consumer_op(self, op: Op[T]) -> Op[T]: ...
 
+    @property
+    def sleep(self) -> SleepKeys:
+        """The ``sleep`` keys held on the LISTEN session."""
+
     def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult: ...
+
+    def fetch_jobs(self) -> tuple[list[Job], int | None]: ...
+
+    def run_fetches(self, jobs: list[Job]) -> list[tuple[ChannelLike, DequeueResult]]: ...
+
+    def deliver_fetched(
+        self, results: list[tuple[ChannelLike, DequeueResult]]
+    ) -> tuple[int, int | None, bool]: ...
+
+    def release_fetched(self, results: list[tuple[ChannelLike, DequeueResult]]) -> None: ...
 
     def release(self, held: Iterable[Held]) -> None: ...
 

@@ -11,8 +11,11 @@ fallback poll every ``polling_interval``.
 A look plans a fetch for every consuming kombu channel (queues, free prefetch window) and
 hands it to a fetch thread, which runs the dequeues (each carrying the acks made since the
 last) while the loop goes on feeding the pool; when they are back the thread wakes the loop,
-which delivers the messages on its own thread, as Celery requires, and looks again. One fetch
-is in flight at a time. The loop's thread holds the ack buffer: its own acks return at once
+which delivers the messages on its own thread, as Celery requires (those of different
+channels in the order they were created), and looks again. Before a fetch, the same thread
+takes the ``sleep`` keys of the queues of channels that found nothing and releases those of
+busy ones, on the LISTEN session (see :mod:`.sleep`); after taking a key it looks again. One
+batch is in flight at a time. The loop's thread holds the ack buffer: its own acks return at once
 and go with the next fetch, which they trigger. Errors of a fetch (a lost connection) are
 raised on the loop's thread, where Celery handles them as it does for RabbitMQ.
 """
@@ -28,26 +31,27 @@ from typing import Any
 
 from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult
-from .interfaces import ChannelLike, TransportLike
+from .interfaces import ChannelLike, Job, TransportLike
+from .sleep import Change, Settled
 
 logger = logging.getLogger("lonnymq.transport")
 
-#: A planned fetch: (kombu channel, queues, limit).
-Job = tuple[ChannelLike, list[str], int]
-#: What came back: the results of the fetches done, and the error that stopped the rest.
-Outcome = tuple[list[tuple[ChannelLike, DequeueResult]], BaseException | None]
+#: What came back: the results of the fetches done, the error that stopped the rest, and
+#: what the sleep change asks (None: there was none).
+Outcome = tuple[list[tuple[ChannelLike, DequeueResult]], BaseException | None, Settled | None]
 
 
 class Fetcher(threading.Thread):
-    """Runs one batch of fetches at a time off the loop's thread; ``done`` is called (from
-    this thread) when a batch is back."""
+    """Runs one batch at a time off the loop's thread: a change of the sleep keys (first,
+    see :mod:`.sleep`), then the fetches; ``done`` is called (from this thread) when a batch
+    is back."""
 
     def __init__(self, transport: TransportLike, done: Callable[[], None]) -> None:
         super().__init__(name="lonnymq-fetch", daemon=True)
         self.transport = transport
         self.done = done
         self._cond = threading.Condition()
-        self._jobs: list[Job] | None = None
+        self._batch: tuple[list[Job], Change | None] | None = None
         self._outcome: Outcome | None = None
         self._busy = False
         self._stopped = False
@@ -58,12 +62,12 @@ class Fetcher(threading.Thread):
         with self._cond:
             return self._busy
 
-    def submit(self, jobs: list[Job]) -> None:
-        """Fetch for ``jobs`` (an empty list: only send the buffered acks)."""
+    def submit(self, jobs: list[Job], change: Change | None = None) -> None:
+        """Apply ``change``, then fetch for ``jobs`` (none: only send the buffered acks)."""
         with self._cond:
             assert not self._busy
             self._busy = True
-            self._jobs = jobs
+            self._batch = (jobs, change)
             self._cond.notify()
 
     def take(self) -> Outcome | None:
@@ -91,22 +95,24 @@ class Fetcher(threading.Thread):
         transport = self.transport
         while True:
             with self._cond:
-                while self._jobs is None and not self._stopped:
+                while self._batch is None and not self._stopped:
                     self._cond.wait()
-                if self._jobs is None:
+                if self._batch is None:
                     return
-                jobs, self._jobs = self._jobs, None
+                (jobs, change), self._batch = self._batch, None
             results: list[tuple[ChannelLike, DequeueResult]] = []
+            settled: Settled | None = None
             error: BaseException | None = None
             try:
+                if change is not None:
+                    settled = transport.sleep.apply(change)
                 if not jobs:
                     transport.send_acks(transport.acks.take())
-                for channel, queues, limit in jobs:
-                    results.append((channel, transport.ack_and_dequeue(queues, limit)))
+                results = transport.run_fetches(jobs)
             except BaseException as exc:  # raised on the loop's thread
                 error = exc
             with self._cond:
-                self._outcome = (results, error)
+                self._outcome = (results, error, settled)
                 self._cond.notify_all()
             self.done()
 
@@ -158,28 +164,13 @@ class LoopConsumer:
         outcome = self.fetcher.stop(timeout=30.0)
         transport = self.transport
         if outcome is not None:
-            self._release(outcome[0])
+            transport.release_fetched(outcome[0])
         if self.owner:
             self.owner = False
             try:
                 transport.send_acks(transport.acks.end())
             except LonnyMQError as exc:  # not lost: their locks expire and they come back
                 logger.warning("lonnymq: could not send acks when leaving the event loop: %s", exc)
-
-    def _release(self, results: list[tuple[ChannelLike, DequeueResult]]) -> None:
-        """Unlock messages fetched and not delivered (else they come back when their lock
-        expires)."""
-        held = [(m.id, m.lock_token) for _, result in results for m in result.messages]
-        if held:
-            try:
-                self.transport.release(held)
-            except LonnyMQError as exc:
-                logger.warning(
-                    "lonnymq: could not release %d fetched message(s) (%s); they come back "
-                    "when their lock expires",
-                    len(held),
-                    exc,
-                )
 
     # -- wake-ups ------------------------------------------------------------------------------
 
@@ -203,8 +194,8 @@ class LoopConsumer:
     # -- looking -------------------------------------------------------------------------------
 
     def look(self) -> None:
-        """Deliver what a fetch brought back; plan and start the next fetch; arrange for the
-        next look."""
+        """Deliver what a fetch brought back; plan and start the next batch (a change of the
+        sleep keys, fetches); arrange for the next look."""
         if self.closed:
             return
         transport = self.transport
@@ -213,34 +204,25 @@ class LoopConsumer:
         retry_ms: int | None = None
         outcome = self.fetcher.take()
         if outcome is not None:
-            results, error = outcome
-            for i, (channel, result) in enumerate(results):
-                if channel.closed:  # closed while its fetch ran
-                    self._release([(channel, result)])
-                    continue
-                try:
-                    delivered, retry = channel.take(result)
-                except BaseException:
-                    self._release(results[i + 1 :])
-                    raise
-                if delivered or retry == 0:
-                    self.want()  # there may be more
-                if retry is not None:
-                    retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+            results, error, settled = outcome
+            _, retry_ms, again = transport.deliver_fetched(results)
+            if again or (settled is not None and settled.look_again):
+                self.want()  # there may be more
+            if settled is not None and settled.retry_ms is not None:
+                retry_ms = settled.retry_ms if retry_ms is None else min(retry_ms, settled.retry_ms)
             if error is not None:
                 raise error
-        if not self.fetcher.busy and self._take_wanted():
+        if not self.fetcher.busy:
+            change = transport.sleep.plan(transport.channels)
+            if change is not None and change.take:
+                self.want()  # look again once the keys are taken
             jobs: list[Job] = []
-            for channel in list(transport.channels):
-                if channel._consumers:
-                    transport._ensure_heartbeat()
-                plan = channel.fetch_plan()
-                if isinstance(plan, int):
-                    retry_ms = plan if retry_ms is None else min(retry_ms, plan)
-                elif plan is not None:
-                    jobs.append((channel, *plan))
-            if jobs:
-                self.fetcher.submit(jobs)
+            if self._take_wanted():
+                jobs, wait = transport.fetch_jobs()
+                if wait is not None:
+                    retry_ms = wait if retry_ms is None else min(retry_ms, wait)
+            if jobs or change is not None:
+                self.fetcher.submit(jobs, change)
             elif self.owner and transport.acks.pending() and (retry_ms is None or retry_ms > 5):
                 self.fetcher.submit([])  # no fetch within a few ms to carry them: send them
         if retry_ms is not None:

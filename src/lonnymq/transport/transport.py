@@ -23,11 +23,13 @@ from ..queue.finalize import defer_op, delete_many_op
 from ..queue.operate import configure_op
 from . import events, url
 from .acks import Ack, AckBuffer, Held
-from .channel import Channel
+from .channel import Channel, deliver
 from .connection import PgClient, Waiter
 from .heartbeat import Heartbeat
+from .interfaces import ChannelLike, Delivery, Job
 from .loop import LoopConsumer
 from .options import Options
+from .sleep import Settled, SleepKeys
 from .sweep import Sweeper, sweeper_for
 
 logger = logging.getLogger("lonnymq.transport")
@@ -74,6 +76,7 @@ class Transport(virtual.Transport):
         #: x-expires (ms) of the queues this process declared: how often consumers touch them
         self.queue_expires: dict[str, int | None] = {}
         self._waiter: Waiter | None = None
+        self._sleep: SleepKeys | None = None
         self._heartbeat: Heartbeat | None = None
         self._said_polling = False
         self._policies_applied = False
@@ -99,6 +102,84 @@ class Transport(virtual.Transport):
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
 
+    def fetch_jobs(self) -> tuple[list[Job], int | None]:
+        """The fetches to run now, one per consuming kombu channel that has room: those
+        that ack first, then those that consume without acks (control, events, replies),
+        so that a task seen implies that a control message published before it is seen too
+        (``channel.deliver`` then delivers them in order); and the ms until a channel
+        waiting for its refill may fetch."""
+        jobs: list[Job] = []
+        retry_ms: int | None = None
+        for channel in sorted(self.channels, key=lambda c: c.acks_nothing):
+            if channel._consumers:
+                self._ensure_heartbeat()
+            plan = channel.fetch_plan()
+            if isinstance(plan, int):
+                retry_ms = plan if retry_ms is None else min(retry_ms, plan)
+            elif plan is not None:
+                jobs.append((channel, *plan))
+        return jobs, retry_ms
+
+    def run_fetches(self, jobs: list[Job]) -> list[tuple[ChannelLike, DequeueResult]]:
+        """Run ``jobs`` (each dequeue carries the acks buffered since the last). When one
+        fails, the messages the others brought are released and the error raised."""
+        results: list[tuple[ChannelLike, DequeueResult]] = []
+        try:
+            for channel, queues, limit in jobs:
+                results.append((channel, self.ack_and_dequeue(queues, limit)))
+        except BaseException:
+            self.release_fetched(results)
+            raise
+        return results
+
+    def deliver_fetched(
+        self, results: list[tuple[ChannelLike, DequeueResult]]
+    ) -> tuple[int, int | None, bool]:
+        """Deliver a round of fetches (see ``channel.deliver``). Returns the messages
+        delivered, the ms until something may become available where a fetch found nothing,
+        and whether to fetch again at once (a fetch brought messages, or asked so)."""
+        accepted: list[tuple[ChannelLike, list[Delivery]]] = []
+        retry_ms: int | None = None
+        again = False
+        for i, (channel, result) in enumerate(results):
+            if channel.closed:  # closed while its fetch ran
+                self.release_fetched([(channel, result)])
+                continue
+            try:
+                batch, retry = channel.accept(result)
+            except BaseException:
+                for accepted_channel, accepted_batch in accepted:
+                    accepted_channel.unhold([m for m, _ in accepted_batch])
+                self.release_fetched(results[i + 1 :])
+                raise
+            accepted.append((channel, batch))
+            again = again or bool(batch) or retry == 0
+            if retry is not None:
+                retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+        return deliver(accepted), retry_ms, again
+
+    def release_fetched(self, results: list[tuple[ChannelLike, DequeueResult]]) -> None:
+        """Unlock messages fetched and not delivered (else they come back when their lock
+        expires)."""
+        held = [(m.id, m.lock_token) for _, result in results for m in result.messages]
+        if held:
+            try:
+                self.release(held)
+            except LonnyMQError as exc:
+                logger.warning(
+                    "lonnymq: could not release %d fetched message(s) (%s); they come back "
+                    "when their lock expires",
+                    len(held),
+                    exc,
+                )
+
+    @property
+    def sleep(self) -> SleepKeys:
+        """The ``sleep`` keys held on the LISTEN session (see :mod:`.sleep`)."""
+        if self._sleep is None:
+            self._sleep = SleepKeys(self.waiter, self.options.schema)
+        return self._sleep
+
     def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult:
         """Delete the buffered acks and dequeue, in one statement. When that fails, the acks
         go back to the buffer (or to the threads that made them)."""
@@ -109,7 +190,7 @@ class Transport(virtual.Transport):
             limit=limit,
             lock_ms=self.options.lock_ms,
             ack=[ack.ref for ack in acks],
-            listen=self.options.use_listen,
+            listen=False,  # the consumer sleeps on its LISTEN session (see .sleep)
         )
         started = time.perf_counter()
         result = self._carrying(acks, op)
@@ -210,6 +291,7 @@ class Transport(virtual.Transport):
             if self._waiter is not None:
                 self._waiter.dispose()
                 self._waiter = None
+                self._sleep = None
             if self._side_pg is not None:
                 self._side_pg.close()
                 self._side_pg = None
@@ -293,22 +375,18 @@ class Transport(virtual.Transport):
     def _drain(self, timeout: float | None, *, owner: bool) -> None:
         """Fetch and deliver; wait (LISTEN, timers) while there is nothing. The owner of the
         ack buffer keeps fetching (each dequeue carrying the acks of the messages delivered
-        before it) while deliveries keep coming, up to ``batch_size`` messages or 50 ms."""
+        before it) while deliveries keep coming, up to ``batch_size`` messages or 50 ms.
+        Before it waits, the consumer sleeps on the queues of every idle channel (see
+        :mod:`.sleep`), and looks once more after taking a key."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         total = 0
         while True:
-            delivered = 0
-            retry_ms: int | None = None
-            queues: set[str] = set()
-            for channel in list(self.channels):
-                if channel._consumers:
-                    self._ensure_heartbeat()
-                    queues.update(channel._active_queues)
-                got, retry = channel.fetch()
-                delivered += got
-                if retry is not None:
-                    retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+            jobs, retry_ms = self.fetch_jobs()
+            delivered, retry, again = self.deliver_fetched(self.run_fetches(jobs))
+            if retry is not None:
+                retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+            settled = self.settle_sleep()
             if delivered:
                 total += delivered
                 if owner and total < self.options.batch_size and time.monotonic() - started < 0.05:
@@ -319,6 +397,10 @@ class Transport(virtual.Transport):
             if owner and self.acks.pending():
                 self.send_acks(self.acks.take())
                 continue  # acks free prefetch room: look again before sleeping
+            if again or (settled is not None and settled.look_again):
+                continue
+            if settled is not None and settled.retry_ms is not None:
+                retry_ms = settled.retry_ms if retry_ms is None else min(retry_ms, settled.retry_ms)
             wait = self.options.polling_interval
             if retry_ms is not None:
                 wait = min(wait, retry_ms / 1000 + 0.001)
@@ -327,7 +409,14 @@ class Transport(virtual.Transport):
                 if left <= 0:
                     raise TimeoutError()
                 wait = min(wait, left)
+            queues = {q for c in self.channels if c._consumers for q in c._active_queues}
             self._wait(wait, queues)
+
+    def settle_sleep(self) -> Settled | None:
+        """Take and release ``sleep`` keys for the channels as they are now (None: nothing to
+        change, or no LISTEN session)."""
+        change = self.sleep.plan(self.channels)
+        return None if change is None else self.sleep.apply(change)
 
     # -- Celery's event loop (see .loop) -------------------------------------------------------
 

@@ -1,0 +1,138 @@
+"""Which queues an idle consumer sleeps on: the ``sleep`` keys its LISTEN session holds.
+
+A producer sends a NOTIFY only while some session holds the ``sleep`` key of its queue
+(``wake_v1``), so that a busy queue's producers pay for none. A transport holds, on its
+LISTEN session, the keys of every queue that one of its consuming kombu channels found empty
+on its last fetch (its *idle* channels): a publish to any of them wakes it, whichever channel
+consumes it. A Celery worker's task queues, its pidbox, gossip and event queues and an rpc
+reply queue are all kombu channels of one connection, fetched one after the other.
+
+The keys live on the LISTEN session, not on the command connection: they go with the LISTEN
+when that connection is lost (and come back with it), and a transaction-mode pooler between
+the commands and Postgres cannot hand them to another client.
+
+Taking a key races a producer that looked for sleepers just before. As in the dequeue's own
+sleep (its step 6), the consumer takes the key, sees which of its queues have a producer
+transaction open (``sleep_v1``'s answer), then looks again; while such a transaction stays
+open it looks again every :data:`UNSETTLED_RETRY_MS`, and once more when it has ended.
+
+A key is released when its queue is no longer consumed, and when the channels consuming it
+delivered on two fetches in a row (a busy queue: its producers stop paying a NOTIFY each).
+Released on the first delivery already, a lightly loaded queue would cost a release and a
+take per message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..queue.dequeue import sleep_op
+from .connection import Waiter
+
+#: How soon to look again while a producer transaction that may not NOTIFY is open.
+UNSETTLED_RETRY_MS = 20
+
+
+class Consuming(Protocol):
+    """A kombu channel of the transport, as seen here."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def _consumers(self) -> set[str]: ...
+
+    @property
+    def _active_queues(self) -> list[str]: ...
+
+    @property
+    def idle(self) -> bool: ...
+
+    @property
+    def busy_rounds(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Change:
+    """Keys to take and to release, queues to check for open producer transactions; and the
+    queues consumed (whose notifications count as a wake-up)."""
+
+    take: tuple[str, ...]
+    drop: tuple[str, ...]
+    check: tuple[str, ...]
+    consumed: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What applying a :class:`Change` asks of the consumer: to look again now, and to look
+    again in ``retry_ms`` (a producer transaction is still open)."""
+
+    look_again: bool
+    retry_ms: int | None
+
+
+class SleepKeys:
+    """The ``sleep`` keys one transport holds on its LISTEN session (see the module
+    docstring). :meth:`plan` and :meth:`apply` are never run at the same time."""
+
+    def __init__(self, waiter: Waiter, schema: str) -> None:
+        self.waiter = waiter
+        self.schema = schema
+        self.held: set[str] = set()
+        #: queues checked with a producer transaction open
+        self.unsettled: set[str] = set()
+        self._session: int | None = None
+
+    def plan(self, channels: Iterable[Consuming]) -> Change | None:
+        """What to change for ``channels`` as they are now (None: nothing, or no LISTEN
+        session to hold keys on; then the consumer polls)."""
+        session = self.waiter.session
+        if session != self._session:  # a new session holds nothing yet
+            self.held.clear()
+            self.unsettled.clear()
+            self._session = session
+        if session is None:
+            return None
+        idle: set[str] = set()
+        busy: set[str] = set()
+        consumed: set[str] = set()
+        for channel in channels:
+            if channel.closed or not channel._consumers:
+                continue
+            queues = channel._active_queues
+            consumed.update(queues)
+            if channel.idle:
+                idle.update(queues)
+            elif channel.busy_rounds >= 2:
+                busy.update(queues)
+        take = idle - self.held
+        drop = {q for q in self.held if q not in consumed or (q in busy and q not in idle)}
+        check = (take | self.unsettled) & idle
+        if not (take or drop or check):
+            return None
+        return Change(
+            tuple(sorted(take)), tuple(sorted(drop)), tuple(sorted(check)), frozenset(consumed)
+        )
+
+    def apply(self, change: Change) -> Settled:
+        """Apply ``change`` on the LISTEN session (from any thread)."""
+        done = self.waiter.run(
+            sleep_op(self.schema, change.take, change.drop, change.check), change.consumed
+        )
+        if done is None:  # the session failed: its keys went with it
+            self.held.clear()
+            self.unsettled.clear()
+            return Settled(True, None)
+        still_open, woken = done
+        self.held.update(change.take)
+        self.held.difference_update(change.drop)
+        was_open = self.unsettled
+        self.unsettled = (was_open - set(change.check) - set(change.drop)) | set(still_open)
+        ended = bool(was_open & (set(change.check) - set(still_open)))
+        return Settled(
+            bool(change.take) or ended or woken,
+            UNSETTLED_RETRY_MS if self.unsettled else None,
+        )
