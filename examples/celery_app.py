@@ -24,7 +24,7 @@ app = Celery(
     backend="rpc://",
 )
 app.conf.update(
-    broker_transport_options={"schema": SCHEMA, "polling_interval": 1},
+    broker_transport_options={"schema": SCHEMA},
     result_backend="rpc://",
     broker_connection_retry_on_startup=True,
 )

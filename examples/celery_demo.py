@@ -3,8 +3,7 @@ which waits in Postgres, not in the worker), print the results, stop the worker.
 
 Run it with ``python examples/celery_demo.py``. It uses $DATABASE_URL when set, else starts a
 throwaway Postgres of its own (see lonnymq.testing). The app is ``examples/celery_app.py``;
-the worker is started as ``python -m celery -A celery_app worker --pool threads -c 2
---without-gossip --without-mingle``.
+the worker is started as ``python -m celery -A celery_app worker --pool threads -c 2``.
 """
 
 from __future__ import annotations
@@ -36,8 +35,6 @@ def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         "threads",
         "-c",
         "2",
-        "--without-gossip",
-        "--without-mingle",
         "--loglevel",
         "INFO",
     ]

@@ -79,7 +79,7 @@ def start_worker(log: Path) -> subprocess.Popen[bytes]:
         "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
     }
     cmd = [sys.executable, "-m", "celery", "-A", "multi_tenant", "worker", "--pool", "threads"]
-    cmd += ["-c", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO"]
+    cmd += ["-c", "2", "--loglevel", "INFO"]
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT)
 

@@ -49,7 +49,7 @@ import lonnymq  # noqa: F401  registers lonnymq://
 OUT = Path(__OUT__)
 app = Celery("lmqfeat", broker=__URL__, backend=__BACKEND__)
 app.conf.update(
-    broker_transport_options={"schema": __SCHEMA__, "polling_interval": 1},
+    broker_transport_options={"schema": __SCHEMA__},
     database_table_names=__TABLES__,
     database_table_schemas={"task": __RESULT_SCHEMA__, "group": __RESULT_SCHEMA__},
     worker_prefetch_multiplier=int(os.environ.get("LMQ_PREFETCH", "4")),

@@ -57,7 +57,6 @@ app.conf.update(
     broker_transport_options={
         "schema": __SCHEMA__,
         "visibility_timeout": float(os.environ.get("LMQ_VT", "3600")),
-        "polling_interval": 1,
         "event_loop": os.environ.get("LMQ_EVENT_LOOP", "1") == "1",
     },
     worker_prefetch_multiplier=int(os.environ.get("LMQ_PREFETCH", "4")),
@@ -262,11 +261,11 @@ def _stop(worker: Worker, sig: int = signal.SIGTERM) -> None:
 
 
 def worker_args(name: str, queues: str, *args: str) -> list[str]:
-    """``celery worker`` arguments for a worker named ``name`` consuming ``queues``."""
+    """``celery worker`` arguments for a worker named ``name`` consuming ``queues``, with
+    Celery's defaults (mingle, gossip, heartbeat and remote control on) unless ``args`` say
+    otherwise."""
     return [
         "worker",
-        "--without-gossip",
-        "--without-mingle",
         "-Q",
         queues,
         "-n",

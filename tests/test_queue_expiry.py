@@ -179,7 +179,6 @@ app = Celery("lmqexp", broker=__URL__, backend="rpc://")
 app.conf.update(
     broker_transport_options={
         "schema": __SCHEMA__,
-        "polling_interval": 1,
         "expire_interval": float(os.environ.get("LMQ_EXPIRE_INTERVAL", "0.5")),
     },
     result_expires=float(os.environ.get("LMQ_RESULT_EXPIRES", "3")),
@@ -225,7 +224,7 @@ class App:
     def worker(self, name: str, extra: dict[str, str] | None = None) -> tuple[Any, Path]:
         log = self.dir / f"{name}.log"
         argv = [sys.executable, "-m", "celery", "-A", self.module, "worker", "--pool", "solo"]
-        argv += ["--without-gossip", "--without-mingle", "-n", f"{name}@%h", "-l", "INFO"]
+        argv += ["-n", f"{name}@%h", "-l", "INFO"]
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 argv,

@@ -259,11 +259,11 @@ class Waiter(_Forkable):
             return None
         return self._sessions
 
-    def run(self, op: Op[T], queues: Collection[str]) -> tuple[T, bool] | None:
+    def run(self, op: Op[T], queues: Collection[str]) -> tuple[T, set[str]] | None:
         """Run ``op`` on the LISTEN session (the ``sleep`` keys live there). Returns its result
-        and whether a notification for ``queues`` arrived meanwhile (read while the statement
-        ran, the loop's reader does not see it); None when the session failed: then it is
-        closed, and what it held with it (the next :meth:`listening` reopens it)."""
+        and the queues among ``queues`` notified meanwhile (read while the statement ran, the
+        loop's reader does not see them); None when the session failed: then it is closed,
+        and what it held with it (the next :meth:`listening` reopens it)."""
         with self._lock:
             conn = self._conn
             if conn is None or conn.closed or conn.broken:
@@ -276,23 +276,20 @@ class Waiter(_Forkable):
                 return None
             return result, self.notified(queues)
 
-    def notified(self, queues: Collection[str] | None) -> bool:
-        """Read the notifications that arrived (without blocking); True when one is for
-        ``queues`` (any queue if None). A lost LISTEN connection is closed (the next
-        :meth:`listening` reopens it) and counts as a wake-up."""
+    def notified(self, queues: Collection[str]) -> set[str]:
+        """Read the notifications that arrived (without blocking); returns the queues among
+        ``queues`` they were for. A lost LISTEN connection is closed (the next
+        :meth:`listening` reopens it) and counts as a wake-up of every queue."""
         with self._lock:
             conn = self._conn
             if conn is None:
-                return False
+                return set()
             try:
-                woken = False
-                for note in conn.notifies(timeout=0):
-                    woken = woken or queues is None or note.payload in queues
-                return woken
+                return {n.payload for n in conn.notifies(timeout=0) if n.payload in queues}
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
-                return True
+                return set(queues)
 
     def _connection(self) -> psycopg.Connection[Any] | None:
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
@@ -310,10 +307,11 @@ class Waiter(_Forkable):
         self._sessions += 1
         return conn
 
-    def wait(self, timeout: float, queues: Collection[str] | None = None) -> bool:
-        """Block until a wake-up for one of ``queues`` (any queue if None), a :meth:`wake`,
-        or ``timeout`` seconds. Returns True when woken before the timeout (a lost LISTEN
-        connection counts as a wake-up, see :meth:`notified`)."""
+    def wait(self, timeout: float, queues: Collection[str]) -> set[str] | bool:
+        """Block until a notification for one of ``queues``, a :meth:`wake`, or ``timeout``
+        seconds. Returns the queues notified (all of them when the LISTEN connection was
+        lost, see :meth:`notified`); True when woken otherwise (a wake, a LISTEN opened just
+        now: look at every queue); False at the timeout, or when LISTEN is down (poll)."""
         deadline = time.monotonic() + max(0.0, timeout)
         with self._lock:
             conn, fresh = self.listening()
@@ -335,14 +333,15 @@ class Waiter(_Forkable):
                         self.woken()
                         return True
                     if conn is not None and ready:
-                        if self.notified(queues):
-                            return True
+                        notified = self.notified(queues)
+                        if notified:
+                            return notified
                     elif conn is None and self.listen and not ready:
-                        return False  # LISTEN down: let the caller poll, then retry LISTEN
+                        return True  # LISTEN down: let the caller poll, then retry LISTEN
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
-                return False
+                return True
 
     def close(self) -> None:
         """Close the LISTEN connection (the next wait opens a new one)."""

@@ -9,7 +9,7 @@ transport imports its parts, and the parts import this module (and the queue API
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, Protocol, TypeVar
 
 from ..queue._ops import Op
@@ -132,7 +132,7 @@ class TransportLike(Protocol):
 
     def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult: ...
 
-    def fetch_jobs(self) -> tuple[list[Job], int | None]: ...
+    def fetch_jobs(self, only: Collection[str] | None = None) -> tuple[list[Job], int | None]: ...
 
     def run_fetches(self, jobs: list[Job]) -> list[tuple[ChannelLike, DequeueResult]]: ...
 

@@ -26,13 +26,13 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult
 from .interfaces import ChannelLike, Job, TransportLike
-from .sleep import Change, Settled
+from .sleep import Change, Settled, sooner
 
 logger = logging.getLogger("lonnymq.transport")
 
@@ -129,7 +129,10 @@ class LoopConsumer:
         self.retry_at: float | None = None
         self.retry_timer: Any = None
         self._lock = threading.Lock()
-        self._wanted = True  # a reason to fetch came (cleared when a fetch starts)
+        # a reason to fetch came (cleared when a fetch starts): for every channel, or for
+        # those consuming the queues a NOTIFY was for
+        self._wanted_all = True
+        self._wanted_queues: set[str] = set()
         self.fetcher = Fetcher(transport, self.waiter.wake)
         self.fetcher.start()
         loop.add_reader(self.waiter.wake_fd, self.on_wake)
@@ -137,15 +140,21 @@ class LoopConsumer:
         self.closed = False
         self.waiter.wake()  # first look as soon as the loop runs
 
-    def want(self) -> None:
-        """There may be something to fetch, or acks to send (any thread; wake the loop too)."""
+    def want(self, queues: Collection[str] | None = None) -> None:
+        """There may be something to fetch, or acks to send (any thread; wake the loop too):
+        in the channels consuming ``queues`` (None: in every channel)."""
         with self._lock:
-            self._wanted = True
+            if queues is None:
+                self._wanted_all = True
+            else:
+                self._wanted_queues.update(queues)
 
-    def _take_wanted(self) -> bool:
+    def _take_wanted(self) -> tuple[bool, set[str] | None]:
+        """Whether to fetch now, and for which queues only (None: every channel)."""
         with self._lock:
-            wanted, self._wanted = self._wanted, False
-            return wanted
+            every, queues = self._wanted_all, self._wanted_queues
+            self._wanted_all, self._wanted_queues = False, set()
+        return every or bool(queues), None if every else queues
 
     def close(self) -> None:
         """Leave the loop: the fetch in flight is waited for (its messages are released,
@@ -182,8 +191,9 @@ class LoopConsumer:
         queues: set[str] = set()
         for channel in list(self.transport.channels):
             queues.update(channel._active_queues)
-        if self.waiter.notified(queues):
-            self.want()
+        notified = self.waiter.notified(queues)
+        if notified:
+            self.want(notified)  # only the channels of those queues: the others sleep on
             self.look()
 
     def on_retry(self) -> None:
@@ -209,7 +219,7 @@ class LoopConsumer:
             if again or (settled is not None and settled.look_again):
                 self.want()  # there may be more
             if settled is not None and settled.retry_ms is not None:
-                retry_ms = settled.retry_ms if retry_ms is None else min(retry_ms, settled.retry_ms)
+                retry_ms = sooner(retry_ms, settled.retry_ms)
             if error is not None:
                 raise error
         if not self.fetcher.busy:
@@ -217,10 +227,11 @@ class LoopConsumer:
             if change is not None and change.take:
                 self.want()  # look again once the keys are taken
             jobs: list[Job] = []
-            if self._take_wanted():
-                jobs, wait = transport.fetch_jobs()
+            wanted, only = self._take_wanted()
+            if wanted:
+                jobs, wait = transport.fetch_jobs(only)
                 if wait is not None:
-                    retry_ms = wait if retry_ms is None else min(retry_ms, wait)
+                    retry_ms = sooner(retry_ms, wait)
             if jobs or change is not None:
                 self.fetcher.submit(jobs, change)
             elif self.owner and transport.acks.pending() and (retry_ms is None or retry_ms > 5):

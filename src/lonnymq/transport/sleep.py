@@ -35,6 +35,13 @@ from .connection import Waiter
 UNSETTLED_RETRY_MS = 20
 
 
+def sooner(ms: int | None, other: int | None) -> int | None:
+    """The sooner of two delays in ms (None: no delay, nothing is due)."""
+    if ms is None:
+        return other
+    return ms if other is None else min(ms, other)
+
+
 class Consuming(Protocol):
     """A kombu channel of the transport, as seen here."""
 
@@ -126,13 +133,11 @@ class SleepKeys:
             self.held.clear()
             self.unsettled.clear()
             return Settled(True, None)
-        still_open, woken = done
+        still_open, notified = done
         self.held.update(change.take)
         self.held.difference_update(change.drop)
         was_open = self.unsettled
         self.unsettled = (was_open - set(change.check) - set(change.drop)) | set(still_open)
         ended = bool(was_open & (set(change.check) - set(still_open)))
-        return Settled(
-            bool(change.take) or ended or woken,
-            UNSETTLED_RETRY_MS if self.unsettled else None,
-        )
+        retry_ms = UNSETTLED_RETRY_MS if self.unsettled else None
+        return Settled(bool(change.take) or ended or bool(notified), retry_ms)

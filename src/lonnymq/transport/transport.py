@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any, TypeVar
 
 import psycopg
@@ -29,7 +29,7 @@ from .heartbeat import Heartbeat
 from .interfaces import ChannelLike, Delivery, Job
 from .loop import LoopConsumer
 from .options import Options
-from .sleep import Settled, SleepKeys
+from .sleep import Settled, SleepKeys, sooner
 from .sweep import Sweeper, sweeper_for
 
 logger = logging.getLogger("lonnymq.transport")
@@ -77,6 +77,7 @@ class Transport(virtual.Transport):
         self.queue_expires: dict[str, int | None] = {}
         self._waiter: Waiter | None = None
         self._sleep: SleepKeys | None = None
+        self._look_at: float | None = None  # drain_events: asleep until then (or woken)
         self._heartbeat: Heartbeat | None = None
         self._said_polling = False
         self._policies_applied = False
@@ -102,20 +103,23 @@ class Transport(virtual.Transport):
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
 
-    def fetch_jobs(self) -> tuple[list[Job], int | None]:
-        """The fetches to run now, one per consuming kombu channel that has room: those
-        that ack first, then those that consume without acks (control, events, replies),
-        so that a task seen implies that a control message published before it is seen too
-        (``channel.deliver`` then delivers them in order); and the ms until a channel
-        waiting for its refill may fetch."""
+    def fetch_jobs(self, only: Collection[str] | None = None) -> tuple[list[Job], int | None]:
+        """The fetches to run now, one per consuming kombu channel that has room (with
+        ``only``: of the channels consuming one of those queues, that a NOTIFY was for; the
+        others sleep on): those that ack first, then those that consume without acks
+        (control, events, replies), so that a task seen implies that a control message
+        published before it is seen too (``channel.deliver`` then delivers them in order);
+        and the ms until a channel waiting for its refill may fetch."""
         jobs: list[Job] = []
         retry_ms: int | None = None
         for channel in sorted(self.channels, key=lambda c: c.acks_nothing):
+            if only is not None and not any(q in only for q in channel._active_queues):
+                continue
             if channel._consumers:
                 self._ensure_heartbeat()
             plan = channel.fetch_plan()
             if isinstance(plan, int):
-                retry_ms = plan if retry_ms is None else min(retry_ms, plan)
+                retry_ms = sooner(retry_ms, plan)
             elif plan is not None:
                 jobs.append((channel, *plan))
         return jobs, retry_ms
@@ -155,7 +159,7 @@ class Transport(virtual.Transport):
             accepted.append((channel, batch))
             again = again or bool(batch) or retry == 0
             if retry is not None:
-                retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+                retry_ms = sooner(retry_ms, retry)
         return deliver(accepted), retry_ms, again
 
     def release_fetched(self, results: list[tuple[ChannelLike, DequeueResult]]) -> None:
@@ -355,14 +359,14 @@ class Transport(virtual.Transport):
         if self._waiter is not None:
             self._waiter.wake()
 
-    def _wait(self, seconds: float, queues: set[str]) -> None:
+    def _wait(self, seconds: float, queues: set[str]) -> set[str] | bool:
         if not self.options.use_listen and not self._said_polling:
             self._said_polling = True
             logger.info(
                 "lonnymq: use_listen is off: idle consumers poll every %s s",
                 self.options.polling_interval,
             )
-        self.waiter.wait(seconds, queues)
+        return self.waiter.wait(seconds, queues)
 
     def drain_events(self, connection: Any, timeout: float | None = None, **kwargs: Any) -> None:
         if not self.acks.begin():  # another thread drains: no ack buffering for this one
@@ -377,40 +381,53 @@ class Transport(virtual.Transport):
         ack buffer keeps fetching (each dequeue carrying the acks of the messages delivered
         before it) while deliveries keep coming, up to ``batch_size`` messages or 50 ms.
         Before it waits, the consumer sleeps on the queues of every idle channel (see
-        :mod:`.sleep`), and looks once more after taking a key."""
+        :mod:`.sleep`), and looks once more after taking a key. A consumer asleep when an
+        earlier call timed out goes on waiting: it looks again when woken (then only in the
+        channels of the queues a NOTIFY was for), at its next timer, or at the fallback
+        poll, not at every call (Celery's and kombu's loops call with a timeout of 1-2 s)."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         total = 0
+        only: set[str] | None = None  # after a NOTIFY: the queues it was for
         while True:
-            jobs, retry_ms = self.fetch_jobs()
+            now = time.monotonic()
+            asleep = self._look_at is not None and now < self._look_at
+            if asleep and not (owner and self.acks.pending()):
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError()
+                wait = self._look_at - now if self._look_at is not None else 0.0
+                if deadline is not None:
+                    wait = min(wait, deadline - now)
+                queues = {q for c in self.channels if c._consumers for q in c._active_queues}
+                woken = self._wait(wait, queues)
+                if woken is False:
+                    continue  # the timer is due, or the caller's timeout
+                only = woken if isinstance(woken, set) else None
+            self._look_at = None
+            jobs, retry_ms = self.fetch_jobs(only)
+            only = None
             delivered, retry, again = self.deliver_fetched(self.run_fetches(jobs))
             if retry is not None:
-                retry_ms = retry if retry_ms is None else min(retry_ms, retry)
+                retry_ms = sooner(retry_ms, retry)
             settled = self.settle_sleep()
             if delivered:
                 total += delivered
                 if owner and total < self.options.batch_size and time.monotonic() - started < 0.05:
                     continue
                 return
+            look_again = again or (settled is not None and settled.look_again)
+            if not look_again:  # asleep until the next timer (or a wake-up), this call or later
+                if settled is not None and settled.retry_ms is not None:
+                    retry_ms = sooner(retry_ms, settled.retry_ms)
+                wait = self.options.polling_interval
+                if retry_ms is not None:
+                    wait = min(wait, retry_ms / 1000 + 0.001)
+                self._look_at = time.monotonic() + wait
             if total:
                 return
             if owner and self.acks.pending():
                 self.send_acks(self.acks.take())
-                continue  # acks free prefetch room: look again before sleeping
-            if again or (settled is not None and settled.look_again):
-                continue
-            if settled is not None and settled.retry_ms is not None:
-                retry_ms = settled.retry_ms if retry_ms is None else min(retry_ms, settled.retry_ms)
-            wait = self.options.polling_interval
-            if retry_ms is not None:
-                wait = min(wait, retry_ms / 1000 + 0.001)
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError()
-                wait = min(wait, left)
-            queues = {q for c in self.channels if c._consumers for q in c._active_queues}
-            self._wait(wait, queues)
+                self._look_at = None  # acks free prefetch room: look again before sleeping
 
     def settle_sleep(self) -> Settled | None:
         """Take and release ``sleep`` keys for the channels as they are now (None: nothing to

@@ -1,0 +1,353 @@
+# mypy: allow-untyped-calls
+# (kombu is untyped)
+"""An idle consumer of any set of queues is woken by a publish to any of them (issue 25).
+
+Kombu consumers here, Celery workers in ``test_wakeup_celery.py``. A consumer of several
+queues, in one kombu channel or several of one connection, under ``drain_events`` or an event
+loop, sleeps on all of them: each message is delivered within :data:`PICKUP_S` of its publish
+although the fallback poll is 30 s away. The race between "found nothing" and "asleep" is
+forced both ways: a producer that commits after the consumer's empty fetch and before it takes
+its keys, and one whose transaction is open across it. An idle consumer makes no round trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kombu.asynchronous import Hub
+from kombu.connection import Connection
+from kombu.entity import Queue
+from kombu.messaging import Consumer, Producer
+
+import lonnymq
+from lonnymq.transport import sleep as sleep_module
+from lonnymq.transport.transport import Transport
+
+Conn = psycopg.Connection[Any]
+
+#: How soon after its publish an idle consumer must have a message.
+PICKUP_S = 0.1
+
+
+@pytest.fixture
+def kombu_defaults() -> dict[str, Any]:
+    """No fallback poll within a test: only a wake-up delivers in time."""
+    return {"visibility_timeout": 30, "polling_interval": 30}
+
+
+class Received:
+    """Messages received by callbacks (any thread): body -> when."""
+
+    def __init__(self) -> None:
+        self.at: dict[Any, float] = {}
+        self.order: list[Any] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, body: Any, message: Any) -> None:
+        with self.cond:
+            self.at[body] = time.monotonic()
+            self.order.append(body)
+            self.cond.notify_all()
+        message.ack()
+
+    def wait(self, body: Any, timeout: float = 10) -> float:
+        with self.cond:
+            assert self.cond.wait_for(lambda: body in self.at, timeout), f"{body!r} not received"
+            return self.at[body]
+
+
+class Driver(threading.Thread):
+    """Runs a kombu connection's consumer in a thread: ``drain_events`` or a Hub."""
+
+    def __init__(self, connection: Connection, hub: bool) -> None:
+        super().__init__(daemon=True)
+        self.connection = connection
+        self.hub = Hub() if hub else None
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            if self.hub is not None:
+                self.connection.transport.register_with_event_loop(
+                    self.connection.connection, self.hub
+                )
+                loop = self.hub.create_loop()
+                while not self.stopped.is_set():
+                    next(loop)
+            else:
+                while not self.stopped.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        self.connection.drain_events(timeout=0.2)
+        except BaseException as exc:
+            self.error = exc
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.hub is not None:
+            self.hub.call_soon(lambda: None)  # end the loop's wait
+        self.join(timeout=10)
+        if self.hub is not None:
+            self.connection.transport.unregister_from_event_loop(
+                self.connection.connection, self.hub
+            )
+            self.hub.close()
+        assert self.error is None, repr(self.error)
+
+
+@pytest.fixture
+def drive() -> Iterator[Callable[[Connection, bool], Driver]]:
+    started: list[Driver] = []
+
+    def start(connection: Connection, hub: bool) -> Driver:
+        driver = Driver(connection, hub)
+        started.append(driver)
+        driver.start()
+        return driver
+
+    yield start
+    for driver in started:
+        driver.stop()
+
+
+def pickups(
+    producer: Producer, received: Received, plan: list[tuple[str, Any]], gap: float = 0.15
+) -> list[float]:
+    """Publish each (queue, body) of ``plan`` to an idle consumer, ``gap`` seconds apart;
+    returns the seconds from each publish to its delivery."""
+    out = []
+    for queue, body in plan:
+        time.sleep(gap)
+        sent = time.monotonic()
+        producer.publish(body, routing_key=queue, delivery_mode=2)
+        out.append(received.wait(body) - sent)
+    return out
+
+
+def declared(connection: Connection, *names: str) -> list[Queue]:
+    queues = [Queue(name) for name in names]
+    for q in queues:
+        q(connection.default_channel).declare()
+    return queues
+
+
+LOOPS = [pytest.param(False, id="drain_events"), pytest.param(True, id="event_loop")]
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_consumer_of_two_queues_wakes_for_either(
+    make_connection: Callable[..., Connection], drive: Callable[..., Driver], hub: bool
+) -> None:
+    """One kombu Consumer of two queues (one channel)."""
+    consumer_conn = make_connection()
+    a, b = declared(consumer_conn, "wa", "wb")
+    received = Received()
+    consumer_conn.Consumer([a, b], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, hub)
+    producer = make_connection().Producer(serializer="json")
+    time.sleep(0.5)  # idle
+    plan = [("wb", "b0"), ("wa", "a0"), ("wb", "b1"), ("wb", "b2"), ("wa", "a1"), ("wa", "a2")]
+    late = pickups(producer, received, plan)
+    assert max(late) < PICKUP_S, [round(x * 1000, 1) for x in late]
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_consumers_on_channels_of_one_connection_all_wake(
+    make_connection: Callable[..., Connection], drive: Callable[..., Driver], hub: bool
+) -> None:
+    """Three kombu channels of one connection, each consuming its own queue (as a Celery
+    worker's tasks, pidbox and gossip), the last two without acks: a publish to any of them
+    wakes the connection's consumer, the first channel's included."""
+    consumer_conn = make_connection()
+    queues = declared(consumer_conn, "w1", "w2", "w3")
+    received = Received()
+    for i, q in enumerate(queues):
+        Consumer(
+            consumer_conn.channel(), [q], callbacks=[received], accept=["json"], no_ack=i > 0
+        ).consume()
+    drive(consumer_conn, hub)
+    producer = make_connection().Producer(serializer="json")
+    time.sleep(0.5)
+    plan = [(f"w{1 + i % 3}", f"m{i}") for i in range(9)] + [("w1", "x"), ("w1", "y")]
+    late = pickups(producer, received, plan)
+    assert max(late) < PICKUP_S, [round(x * 1000, 1) for x in late]
+
+
+def test_simple_queue_get_wakes_beside_another_consumer(
+    make_connection: Callable[..., Connection],
+) -> None:
+    """``SimpleQueue.get(timeout=)`` on a connection whose other channel consumes another
+    queue (as Celery's rpc reply consumer beside its task consumer)."""
+    connection = make_connection()
+    other = Queue("other")
+    Consumer(connection.channel(), [other], callbacks=[lambda b, m: m.ack()]).consume()
+    simple = connection.SimpleQueue("simple")
+    producer = make_connection().Producer(serializer="json")
+    with contextlib.suppress(simple.Empty):
+        simple.get(timeout=0.3)  # idle: found nothing, asleep
+
+    def later() -> None:
+        time.sleep(0.5)
+        sent.append(time.monotonic())
+        producer.publish("hello", routing_key="simple")
+
+    sent: list[float] = []
+    publisher = threading.Thread(target=later)
+    publisher.start()
+    try:
+        message = simple.get(timeout=5)
+        got = time.monotonic()
+    finally:
+        publisher.join()
+    message.ack()
+    assert message.payload == "hello"
+    assert got - sent[0] < PICKUP_S
+    simple.close()
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_messages_of_different_channels_delivered_in_publish_order(
+    make_connection: Callable[..., Connection], drive: Callable[..., Driver], hub: bool
+) -> None:
+    """A control message (a no-ack channel, as Celery's pidbox) published before a task (a
+    channel that acks) is delivered before it, each time both arrive while the consumer is
+    away: a Celery revoke then takes effect on the task published after it."""
+    consumer_conn = make_connection()
+    tasks, control = declared(consumer_conn, "tasks", "control")
+    received = Received()
+    Consumer(consumer_conn.channel(), [tasks], callbacks=[received], accept=["json"]).consume()
+    Consumer(
+        consumer_conn.channel(), [control], callbacks=[received], accept=["json"], no_ack=True
+    ).consume()
+    producer = make_connection().Producer(serializer="json")
+    for i in range(5):  # published before the consumer runs: one round fetches both
+        producer.publish(f"revoke{i}", routing_key="control")
+        producer.publish(f"task{i}", routing_key="tasks")
+    drive(consumer_conn, hub)
+    received.wait("task4")
+    time.sleep(0.2)
+    for i in range(5):  # and published to an idle consumer, back to back
+        producer.publish(f"later-revoke{i}", routing_key="control")
+        producer.publish(f"later-task{i}", routing_key="tasks")
+        received.wait(f"later-task{i}")
+        time.sleep(0.1)
+    for i in range(5):
+        for prefix in ("", "later-"):
+            order = received.order
+            assert order.index(f"{prefix}revoke{i}") < order.index(f"{prefix}task{i}"), order
+
+
+def _with_hook(
+    monkeypatch: pytest.MonkeyPatch, before_apply: Callable[[sleep_module.Change], None]
+) -> None:
+    """Run ``before_apply`` in the consumer just before it changes its sleep keys."""
+    apply = sleep_module.SleepKeys.apply
+
+    def hooked(self: sleep_module.SleepKeys, change: sleep_module.Change) -> Any:
+        before_apply(change)
+        return apply(self, change)
+
+    monkeypatch.setattr(sleep_module.SleepKeys, "apply", hooked)
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_publish_between_empty_fetch_and_sleep_is_not_lost(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    monkeypatch: pytest.MonkeyPatch,
+    hub: bool,
+) -> None:
+    """A producer commits after the consumer's fetch found nothing and before it holds the
+    queue's sleep key: that producer sent no NOTIFY (nobody slept), so the consumer must
+    look again after taking the key."""
+    producer = make_connection().Producer(serializer="json")
+    done = threading.Event()
+
+    def publish_first(change: sleep_module.Change) -> None:
+        if "race" in change.take and not done.is_set():
+            done.set()
+            producer.publish("raced", routing_key="race")  # committed, no sleeper: no NOTIFY
+
+    _with_hook(monkeypatch, publish_first)
+    consumer_conn = make_connection()
+    (race,) = declared(consumer_conn, "race")
+    received = Received()
+    consumer_conn.Consumer([race], callbacks=[received], accept=["json"]).consume()
+    started = time.monotonic()
+    drive(consumer_conn, hub)
+    assert received.wait("raced", timeout=5) - started < 1.0  # not the 30 s fallback poll
+    assert done.is_set()
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_producer_transaction_open_across_sleep_is_not_lost(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    pg_dsn: str,
+    hub: bool,
+) -> None:
+    """A producer publishes in its own transaction (``lonnymq.transaction``) before the
+    consumer sleeps, so it sends no NOTIFY, and commits a second later: the consumer saw the
+    open transaction when it took its key, and looks again until it has ended."""
+    consumer_conn = make_connection()
+    (queue,) = declared(consumer_conn, "open")
+    received = Received()
+    producer = make_connection().Producer(serializer="json")
+    with psycopg.connect(pg_dsn) as caller:
+        with lonnymq.transaction(caller):
+            producer.publish("in-txn", routing_key="open")
+        consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+        drive(consumer_conn, hub)
+        time.sleep(1.0)  # the consumer found nothing and went to sleep meanwhile
+        assert "in-txn" not in received.at
+        caller.commit()
+        committed = time.monotonic()
+    assert received.wait("in-txn") - committed < PICKUP_S
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_idle_consumer_makes_no_round_trip(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    monkeypatch: pytest.MonkeyPatch,
+    hub: bool,
+) -> None:
+    """Asleep on three queues, a consumer runs no dequeue and no sleep change until a
+    publish (no busy polling); then one round of fetches per publish."""
+    calls: list[str] = []
+    orig_dequeue, orig_apply = Transport.ack_and_dequeue, sleep_module.SleepKeys.apply
+
+    def dequeue(self: Transport, queues: list[str], limit: int) -> Any:
+        calls.append("dequeue")
+        return orig_dequeue(self, queues, limit)
+
+    def apply(self: sleep_module.SleepKeys, change: sleep_module.Change) -> Any:
+        calls.append("sleep")
+        return orig_apply(self, change)
+
+    monkeypatch.setattr(Transport, "ack_and_dequeue", dequeue)
+    monkeypatch.setattr(sleep_module.SleepKeys, "apply", apply)
+    consumer_conn = make_connection()
+    queues = declared(consumer_conn, "i1", "i2", "i3")
+    received = Received()
+    for q in queues:
+        Consumer(consumer_conn.channel(), [q], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, hub)
+    time.sleep(1.0)
+    settled = len(calls)
+    time.sleep(2.0)
+    assert len(calls) == settled, calls[settled:]
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("one", routing_key="i2")
+    received.wait("one")
+    time.sleep(0.5)
+    woken = calls[settled:]
+    # a round of the channel notified, which delivers; a round of all three, which finds
+    # nothing; asleep again
+    assert woken.count("dequeue") == 4, woken
