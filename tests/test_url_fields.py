@@ -148,3 +148,58 @@ def test_failover_urls_with_parameters_kombu_cannot_take_are_refused_at_once() -
         c.connect()
     assert "lonnymq://USER@HOST1:PORT,HOST2:PORT/DB" in str(err.value)
     c.release()
+
+
+def test_fields_are_filled_when_the_connection_is_made() -> None:
+    """As for amqp and redis, before any connect: kombu's own failover test reads
+    ``conn.port`` of the first URL before it connects; ``hostname`` never holds the URL with
+    its password."""
+    c = Connection("lonnymq://alice:s3cr3t@db.example:5433/app")
+    assert "transport" not in c.__dict__  # nothing made yet
+    assert (c.hostname, c.port, c.userid, c.password, c.virtual_host) == (
+        "db.example",
+        5433,
+        "alice",
+        "s3cr3t",
+        "app",
+    )
+    # with libpq parameters: they stay in hostname, the password does not
+    c = Connection("lonnymq://alice:s3cr3t@db.example:5433/app?sslmode=require")
+    assert (c.port, c.userid, c.password, c.virtual_host) == (5433, "alice", "s3cr3t", "app")
+    assert c.hostname == "lonnymq://alice@db.example:5433/app?sslmode=require"
+    assert "transport" not in c.__dict__
+    # the class path instead of the alias; a URL given as a list of alternates
+    c = Connection(
+        ["lonnymq://u:pw@h1:6001/d1", "lonnymq://v@h2:6002/d2"],
+        transport="lonnymq.transport:Transport",
+    )
+    assert (c.hostname, c.port, c.userid, c.password, c.virtual_host) == (
+        "h1",
+        6001,
+        "u",
+        "pw",
+        "d1",
+    )
+    # a URL that does not parse is left for the transport to refuse on first use
+    c = Connection("lonnymq://u@h:99999/d")
+    with pytest.raises(lonnymq.ConfigurationError, match="invalid port"):
+        c.connect()
+    c.release()
+
+
+def test_failover_switches_to_alternate_url(
+    server: dict[str, str], schema: str, connections: list[Connection]
+) -> None:
+    """kombu's ``t/integration`` failover test, on lonnymq: ``conn.port`` is the first (dead)
+    URL's before connecting, the live one's after."""
+    s = server
+    dead = f"lonnymq://{s['user']}:pw@127.0.0.1:1/{s['db']}"
+    live = f"lonnymq://{s['user']}:pw@{s['host']}:{s['port']}/{s['db']}"
+    c = Connection([dead, live], transport_options={"schema": schema})
+    connections.append(c)
+    assert len(c.alt) > 1
+    assert c.port == 1 and c.hostname == "127.0.0.1" and "pw" not in c.hostname
+    assert c.connect()
+    assert c.connected
+    assert c.port == int(s["port"])
+    _round_trip(c, "failover-alternate")

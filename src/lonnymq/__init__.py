@@ -16,6 +16,7 @@ The queue API::
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import psycopg
@@ -68,10 +69,51 @@ TRANSPORT = "lonnymq.transport:Transport"
 
 
 def _register_transport() -> None:
-    """Make ``lonnymq://`` URLs work in kombu and Celery (kombu has no entry point for this)."""
+    """Make ``lonnymq://`` URLs work in kombu and Celery (kombu has no entry point for this),
+    and fill a kombu ``Connection``'s fields from such a URL when it is made (see
+    :func:`_fill_fields_when_made`)."""
     from kombu.transport import TRANSPORT_ALIASES
 
     TRANSPORT_ALIASES.setdefault("lonnymq", TRANSPORT)
+    _fill_fields_when_made()
+
+
+def _is_lonnymq(transport: Any) -> bool:
+    """Whether a kombu Connection's ``transport_cls`` (an alias, a class path or a class) is
+    lonnymq's transport (or a subclass), without importing anything."""
+    if isinstance(transport, str):
+        from kombu.transport import TRANSPORT_ALIASES
+
+        return TRANSPORT_ALIASES.get(transport, transport) == TRANSPORT
+    return getattr(transport, "driver_type", None) == "lonnymq"
+
+
+def _fill_fields_when_made() -> None:
+    """kombu parses the URLs of amqp and redis into the Connection's fields (``hostname``,
+    ``port``, ``userid``, ``password``, ``virtual_host``) when the Connection is made; it
+    leaves a URL whole for a transport that parses its own (``can_parse_url``), as lonnymq
+    must (libpq's URLs say more than kombu's parser takes). kombu has no hook for that, so
+    the method it fills its fields with (``Connection._init_params``, called when the
+    Connection is made and when it fails over to another URL) is wrapped once: for a lonnymq
+    URL it then fills the fields as :func:`lonnymq.transport.url.adopt_url` does. A URL that
+    does not parse is left as it is, for the transport to refuse on first use."""
+    from kombu.connection import Connection
+
+    init_params = Connection._init_params
+    if getattr(init_params, "_lonnymq", False):
+        return
+
+    @functools.wraps(init_params)
+    def _init_params(self: Any, *args: Any, **kwargs: Any) -> None:
+        init_params(self, *args, **kwargs)
+        hostname = self.hostname
+        if isinstance(hostname, str) and "://" in hostname and _is_lonnymq(self.transport_cls):
+            from .transport.url import fill_fields
+
+            fill_fields(self)
+
+    _init_params._lonnymq = True  # type: ignore[attr-defined]
+    Connection._init_params = _init_params
 
 
 _register_transport()

@@ -280,6 +280,16 @@ def adopt_url(client: Any) -> None:
         client.connect_timeout = fields.connect_timeout
 
 
+def fill_fields(client: Any) -> None:
+    """:func:`adopt_url` when a kombu Connection is made (see ``lonnymq._fill_fields_when_made``):
+    a URL that does not parse is left whole, for the transport to refuse on first use with
+    its reason (kombu makes Connections where no error is expected, Celery's app setup)."""
+    try:
+        adopt_url(client)
+    except (ConfigurationError, ValueError):
+        return
+
+
 def client_connect_timeout(client: Any) -> float | None:
     """kombu's ``connect_timeout``, a number even when kombu took it, as text, from a URL it
     parsed (an alternate it failed over to): then it is made a number for kombu too."""
