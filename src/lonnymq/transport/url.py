@@ -9,7 +9,9 @@ database name) works too.
 kombu's ``Connection`` has fields for a host, port, user, password, database and connect
 timeout, and fills them itself for transports whose URL it parses. It cannot parse ours (a
 libpq parameter in the query is a ``TypeError`` to it, several ``HOST:PORT`` pairs a
-``ValueError``), so the transport fills them (:func:`split`) when kombu creates it.
+``ValueError``), so lonnymq fills them (:func:`fill_fields`) when the Connection is made
+(``import lonnymq`` wraps kombu's ``Connection._init_params`` for it), and the transport
+again when kombu creates it (:func:`adopt_url`).
 """
 
 from __future__ import annotations
