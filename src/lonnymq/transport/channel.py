@@ -25,7 +25,7 @@ from ..queue.operate import settings_op
 from ..queue.routing import publish_op
 from . import events
 from .acks import Held
-from .headers import delay_ms, expiration_ms, make_eta_aware, priority, str_or_none
+from .headers import delay_ms, make_eta_aware, priority, str_or_none, ttl_ms
 from .interfaces import ChannelLike, Delivery, TransportLike, Where
 from .qos import QoS
 from .topology import TopologyChannel
@@ -121,7 +121,7 @@ class Channel(TopologyChannel):
             name=str_or_none(headers.get("x-dedup-name"), "x-dedup-name"),
             delay_ms=delay_ms(headers),
             priority=priority(props.get("priority")),
-            ttl_ms=expiration_ms(props.get("expiration")),
+            ttl_ms=ttl_ms(headers, props),
             max_message_bytes=self.options.max_message_bytes,
         )
         caller = current_connection()

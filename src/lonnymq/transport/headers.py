@@ -101,6 +101,23 @@ def expiration_ms(value: Any) -> float | None:
     return max(0.0, ms)
 
 
+def is_celery_task(headers: dict[str, Any]) -> bool:
+    """Whether a message is a Celery task (message protocol 2: ``task`` and ``id`` headers)."""
+    return bool(headers.get("task")) and bool(headers.get("id"))
+
+
+def ttl_ms(headers: dict[str, Any], properties: dict[str, Any]) -> float | None:
+    """A message's time to live (ms): its ``expiration`` property, except for a Celery task
+    with an ``expires``. Celery sends ``expires`` as the message's expiration too; a broker
+    that drops such a message when it expires leaves the task PENDING for ever
+    (``result.get()`` waits, monitoring never hears of it). Kept until a worker receives it,
+    the worker revokes it as expired (REVOKED, ``TaskRevokedError``, a ``task-revoked``
+    event), as on RabbitMQ and Redis."""
+    if is_celery_task(headers) and headers.get("expires"):
+        return None
+    return expiration_ms(properties.get("expiration"))
+
+
 def celery_zone() -> tzinfo:
     """The zone a naive ``eta`` is in: the current Celery app's ``timezone`` setting (UTC
     when unset and ``enable_utc`` is on, as in Celery) when Celery is loaded, else UTC."""
