@@ -18,8 +18,7 @@ import click
 
 from . import celery_steps as _celery_steps  # noqa: F401  mingle and gossip on lonnymq workers
 from .cli import main
-
-_SCHEMES = ("lonnymq", "postgresql", "postgres")
+from .dsn import SCHEMES
 
 
 @click.command(
@@ -44,7 +43,7 @@ def app_defaults(app: Any) -> tuple[str | None, str | None]:
         url = url[0] if url else None
     if isinstance(url, str):
         url = url.split(";", 1)[0].strip()
-    if not isinstance(url, str) or url.split("://", 1)[0].lower() not in _SCHEMES:
+    if not isinstance(url, str) or url.split("://", 1)[0].lower() not in SCHEMES:
         return None, None
     options = conf.broker_transport_options or {}
     schema = options.get("schema")

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from ..dsn import mask_password
+from ..dsn import mask_password, scheme_problem
 from . import term
 
 
@@ -28,6 +28,10 @@ def dsn_of(args: argparse.Namespace) -> str:
     dsn = args.dsn or os.environ.get("DATABASE_URL")
     if not dsn:
         raise SystemExit("lonnymq: no database given: pass --dsn or set DATABASE_URL")
+    problem = scheme_problem(dsn)
+    if problem:
+        where = "--dsn" if args.dsn else "$DATABASE_URL"
+        raise SystemExit(f"lonnymq: {where}: {problem}")
     return to_libpq(dsn)
 
 

@@ -77,6 +77,37 @@ def queue_arguments(arguments: dict[str, Any]) -> QueueArguments:
     )
 
 
+#: kombu's ``Queue(...)`` keywords in seconds (amqp's ``x-`` arguments are in ms), and the
+#: least each may be.
+_KOMBU_SECONDS = {"expires": 0.001, "message_ttl": 0.0}
+#: kombu's ``Queue(...)`` keywords that are counts, and their ranges.
+_KOMBU_COUNTS = {"max_length": (0, 2**31 - 1), "max_priority": (1, 255)}
+
+
+def check_kombu_queue_kwargs(options: dict[str, Any]) -> None:
+    """kombu's ``Queue(expires=, message_ttl=, max_length=, max_priority=)``, checked in the
+    caller's units (seconds, for the first two) before kombu turns them into amqp's ``x-``
+    arguments in milliseconds, so that an error speaks of what the caller wrote
+    (``message_ttl=-1``, not ``-1000``)."""
+    for key, low in _KOMBU_SECONDS.items():
+        value = options.get(key)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or value != value or not low <= value <= 2**62 / 1000:
+            least = "0" if low == 0 else f"{low} (1 ms)"
+            raise InvalidArgument(
+                f"Queue({key}={value!r}): {key} is in seconds and must be a number of at "
+                f"least {least}"
+            )
+    for key, (lo, hi) in _KOMBU_COUNTS.items():
+        value = options.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+            raise InvalidArgument(f"Queue({key}={value!r}): {key} must be an int from {lo} to {hi}")
+
+
 def str_or_none(value: Any, what: str) -> str | None:
     if value is None or value == "":
         return None

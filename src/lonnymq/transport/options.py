@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .. import migrator
+from ..dsn import meant
 from ..exceptions import ConfigurationError, InvalidArgument
 from ..queue._checks import DEFAULT_MAX_MESSAGE_BYTES
 from ..queue.rate import burst_or_none, rate_or_none
@@ -96,10 +97,11 @@ class Options:
     @classmethod
     def from_mapping(cls, options: dict[str, Any], connect_timeout: float | None) -> Options:
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known - KOMBU_OPTIONS)
+        unknown = sorted(set(options) - known - KOMBU_OPTIONS, key=str)
         if unknown:
+            named = ", ".join(f"{k!r}{meant(str(k), known)}" for k in unknown)
             raise ConfigurationError(
-                f"unknown lonnymq transport option(s) {', '.join(map(repr, unknown))}; "
+                f"unknown lonnymq transport option(s) {named}; "
                 f"valid options: {', '.join(sorted(known))}"
             )
         values = {k: v for k, v in options.items() if k in known}
@@ -154,12 +156,26 @@ def _integer(name: str, value: object, low: int, high: int) -> None:
 _LIMITS = frozenset({"max_concurrency", "max_size", "rate", "burst"})
 
 
-def _limits(where: str, value: object) -> None:
-    if not isinstance(value, dict) or not set(value) <= _LIMITS:
+def _keys(where: str, value: object, allowed: frozenset[str]) -> dict[Any, Any]:
+    """``value``, a dict whose keys are among ``allowed``; else an error naming the bad key,
+    with the one meant."""
+    keys = ", ".join(sorted(allowed))
+    if not isinstance(value, dict):
         raise ConfigurationError(
-            f"transport option policies: {where} must be a dict with keys among "
-            "max_concurrency, max_size, rate, burst"
+            f"transport option policies: {where} must be a dict with keys among {keys}, not "
+            f"{type(value).__name__}"
         )
+    unknown = sorted(set(value) - allowed, key=str)
+    if unknown:
+        named = ", ".join(f"{k!r}{meant(str(k), allowed)}" for k in unknown)
+        raise ConfigurationError(
+            f"transport option policies: {where}: unknown key(s) {named}; keys: {keys}"
+        )
+    return value
+
+
+def _limits(where: str, value: object) -> None:
+    value = _keys(where, value, _LIMITS)
     for key in ("max_concurrency", "max_size"):
         if value.get(key) is not None:
             _integer(f"policies: {where}.{key}", value[key], 0, 2**31 - 1)
@@ -170,14 +186,11 @@ def _limits(where: str, value: object) -> None:
 
 
 _SETTINGS = frozenset({"dead_letter", "max_attempts", "dead_retention_ms"})
+_SPEC = frozenset({"default", "channels", "settings"})
 
 
 def _settings(queue: str, value: object) -> None:
-    if not isinstance(value, dict) or not set(value) <= _SETTINGS:
-        raise ConfigurationError(
-            f"transport option policies[{queue!r}].settings must be a dict with keys among "
-            "dead_letter, max_attempts, dead_retention_ms"
-        )
+    value = _keys(f"{queue}.settings", value, _SETTINGS)
     if "dead_letter" in value and not isinstance(value["dead_letter"], bool):
         raise ConfigurationError(
             f"transport option policies[{queue!r}].settings.dead_letter must be True or False"
@@ -202,11 +215,7 @@ def _policies(policies: object) -> None:
                 "transport option policies: each queue maps to a dict with 'default' and/or "
                 "'channels'"
             )
-        unknown = set(spec) - {"default", "channels", "settings"}
-        if unknown:
-            raise ConfigurationError(
-                f"transport option policies[{queue!r}]: unknown key(s) {sorted(unknown)}"
-            )
+        _keys(queue, spec, _SPEC)
         if "default" in spec:
             _limits(f"{queue}.default", spec["default"])
         if "settings" in spec:

@@ -26,7 +26,7 @@ from ..queue.routing import (
     topic_pattern,
     unbind_op,
 )
-from .headers import QueueArguments, queue_arguments
+from .headers import QueueArguments, check_kombu_queue_kwargs, queue_arguments
 from .interfaces import TransportLike
 from .options import Options
 
@@ -106,6 +106,7 @@ class TopologyChannel(virtual.Channel):
         max_priority=)`` as the ``x-`` arguments of amqp (seconds become milliseconds), as
         kombu's amqp and redis transports map them; ``queue_declare`` then takes both
         spellings alike (see ``queue_arguments``)."""
+        check_kombu_queue_kwargs(kwargs)
         return to_rabbitmq_queue_arguments(arguments or {}, **kwargs)
 
     def _declare(self, queue: str, arguments: QueueArguments) -> int:

@@ -23,23 +23,18 @@ from urllib.parse import quote
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..dsn import PASSWORD_IN_URL, mask_password
+from ..dsn import PASSWORD_IN_URL, SCHEMES, mask_password, scheme_problem
 from ..exceptions import ConfigurationError
-
-SCHEMES = ("lonnymq", "postgresql", "postgres")
-
 
 def to_conninfo(url: str) -> str:
     """The libpq connection string for a broker URL; raises ConfigurationError if invalid."""
     if not isinstance(url, str) or not url:
         raise ConfigurationError("the broker URL must be a non-empty string")
+    problem = scheme_problem(url)
+    if problem:
+        raise ConfigurationError(f"invalid broker URL: {problem}")
     if "://" in url:
-        scheme, rest = url.split("://", 1)
-        if scheme.lower() not in SCHEMES:
-            raise ConfigurationError(
-                f"unsupported URL scheme {scheme!r} in {mask_password(url)!r}: use lonnymq://"
-            )
-        url = "postgresql://" + rest
+        url = "postgresql://" + url.split("://", 1)[1]
     try:
         params = conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
