@@ -17,9 +17,14 @@ from celery.exceptions import TaskRevokedError
 from kombu.connection import Connection
 from psycopg import sql
 
-from tests.test_celery_worker import Env, Worker, env, workers  # noqa: F401  (fixtures)
+from tests import test_celery_worker
+from tests.test_celery_worker import Env, Worker
 
 Conn = psycopg.Connection[Any]
+
+# the fixtures of tests/test_celery_worker.py: its app module, and its worker processes
+env = test_celery_worker.env
+workers = test_celery_worker.workers
 
 
 def _expires_at(conn: Conn, schema: str, queue: str) -> list[Any]:

@@ -22,7 +22,7 @@ def test_a_misspelt_scheme_in_dsn_says_which_schemes_and_the_one_meant(pg_dsn: s
     typo = "lonymq://" + pg_dsn.split("://", 1)[1]
     out = cli("status", "--dsn", typo)
     assert out.returncode == 1
-    assert "missing \"=\"" not in out.stderr  # libpq's words for it
+    assert 'missing "="' not in out.stderr  # libpq's words for it
     assert "unknown URL scheme 'lonymq'" in out.stderr
     assert "lonnymq://, postgresql://, postgres://" in out.stderr
     assert "did you mean lonnymq://?" in out.stderr
@@ -96,8 +96,8 @@ def test_queue_keywords_are_checked_in_the_callers_unit(
         assert said in str(err.value)
         assert "-1000" not in str(err.value)
     # the amqp spelling is checked in its own unit (milliseconds), as before
-    with make_connection() as connection:
-        with pytest.raises(lonnymq.InvalidArgument, match="x-message-ttl"):
-            Queue("kw", queue_arguments={"x-message-ttl": -1})(
-                connection.default_channel
-            ).declare()
+    with (
+        make_connection() as connection,
+        pytest.raises(lonnymq.InvalidArgument, match="x-message-ttl"),
+    ):
+        Queue("kw", queue_arguments={"x-message-ttl": -1})(connection.default_channel).declare()

@@ -99,7 +99,7 @@ def _fill_fields_when_made() -> None:
     does not parse is left as it is, for the transport to refuse on first use."""
     from kombu.connection import Connection
 
-    init_params = Connection._init_params
+    init_params: Any = Connection._init_params
     if getattr(init_params, "_lonnymq", False):
         return
 
@@ -113,7 +113,7 @@ def _fill_fields_when_made() -> None:
             fill_fields(self)
 
     _init_params._lonnymq = True  # type: ignore[attr-defined]
-    Connection._init_params = _init_params
+    Connection._init_params = _init_params  # type: ignore[method-assign]
 
 
 _register_transport()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Iterable
 
 #: The password in a URL's user info: groups ``scheme://user:``, the password, ``@``.
 PASSWORD_IN_URL = re.compile(r"^([a-z0-9+.-]+://[^:/@?#]*:)([^@/?#]*)(@)", re.IGNORECASE)
@@ -27,7 +28,7 @@ def mask_password(text: str, mask: str = "**") -> str:
 SCHEMES = ("lonnymq", "postgresql", "postgres")
 
 
-def meant(word: str, choices: tuple[str, ...] | list[str] | frozenset[str]) -> str:
+def meant(word: str, choices: Iterable[str]) -> str:
     """``" (did you mean 'X'?)"`` for the choice closest to a misspelt ``word``, else ``""``."""
     close = difflib.get_close_matches(word, sorted(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -26,6 +26,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from ..dsn import PASSWORD_IN_URL, SCHEMES, mask_password, scheme_problem
 from ..exceptions import ConfigurationError
 
+
 def to_conninfo(url: str) -> str:
     """The libpq connection string for a broker URL; raises ConfigurationError if invalid."""
     if not isinstance(url, str) or not url:
