@@ -80,11 +80,23 @@ def test_a_misspelt_transport_option_names_the_one_meant(
 @pytest.mark.parametrize(
     ("kwargs", "said"),
     [
-        ({"message_ttl": -1}, "message_ttl is in seconds and must be a number of at least 0"),
-        ({"expires": 0}, "expires is in seconds and must be a number of at least 0.001"),
+        (
+            {"message_ttl": -1},
+            "message_ttl is in seconds (x-message-ttl is its milliseconds) and must be a number of at least 0",
+        ),
+        (
+            {"expires": 0},
+            "expires is in seconds (x-expires is its milliseconds) and must be a number of at least 0.001",
+        ),
         ({"expires": 0.0001}, "expires is in seconds"),
-        ({"max_length": -1}, "Queue(max_length=-1): max_length must be an int from 0"),
-        ({"max_priority": 256}, "Queue(max_priority=256): max_priority must be an int from 1"),
+        (
+            {"max_length": -1},
+            "Queue(max_length=-1): max_length (x-max-length) must be an int from 0",
+        ),
+        (
+            {"max_priority": 256},
+            "Queue(max_priority=256): max_priority (x-max-priority) must be an int from 1",
+        ),
     ],
 )
 def test_queue_keywords_are_checked_in_the_callers_unit(

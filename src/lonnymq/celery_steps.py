@@ -30,6 +30,8 @@ from celery import signals
 from celery.worker.consumer.gossip import Gossip as CeleryGossip
 from celery.worker.consumer.mingle import Mingle as CeleryMingle
 
+from .transport import registry
+
 logger = logging.getLogger(__name__)
 
 #: The ``driver_type`` of lonnymq's Kombu transport.
@@ -102,6 +104,8 @@ def add_steps(app: Any) -> bool:
 
 
 def _on_worker_init(sender: Any = None, instance: Any = None, **_: Any) -> None:
+    if sender:  # the worker's node name, shown with its consumers (lonnymq web)
+        registry.set_node(str(sender))
     app = getattr(instance, "app", None)
     if app is None:
         return

@@ -43,11 +43,13 @@ _PRODUCER = (
     "message_publish_v1",
     "exchange_declare_v1",
     "queue_declare_v1",
+    "queue_declare_v2",
     "queue_bind_v1",
     "queue_stats_v1",
     "queue_status_v1",
     "horizon_v1",
     "rate_held_v1",
+    "consumer_list_v1",
 )
 _WORKER = (
     *_PRODUCER,
@@ -64,6 +66,7 @@ _WORKER = (
     "message_heartbeat_v1",
     "queue_unbind_v1",
     "queue_touch_v1",
+    "consumer_sync_v1",
     "expire_v1",
 )
 _ADMIN = (
@@ -81,6 +84,7 @@ _ADMIN = (
     "channel_list_v1",
     "channel_list_v2",
     "message_list_v1",
+    "message_list_v2",
     "message_get_v1",
     "message_remove_v1",
     "message_retry_v1",

@@ -11,7 +11,7 @@ from datetime import datetime
 
 from .. import migrator, roles
 from ..exceptions import InvalidArgument, LonnyMQError
-from ..queue.operate import STATES
+from ..queue.listing import STATES
 from ..queue.rate import Rate
 from . import term
 from .messages import (

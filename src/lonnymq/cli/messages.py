@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 
 from ..queue import Broker
-from ..queue.operate import MessageInfo, state_arg
+from ..queue.listing import MessageInfo, state_arg
 from ..report import message_body
 from . import term
 from .common import confirm, connect, db_now, fields_of, print_json, style_of, usage_error
@@ -22,7 +22,9 @@ _STATE_STYLE = {"ready": "green", "delayed": "blue", "locked": "yellow", "dead":
 
 
 def _message_dict(m: MessageInfo) -> dict[str, Any]:
-    return {name: term.jsonable(value) for name, value in fields_of(m)}
+    return {
+        name: term.jsonable(value) for name, value in fields_of(m) if name not in ("head", "tail")
+    }
 
 
 def _when_text(m: MessageInfo, now: datetime) -> str:

@@ -2,15 +2,16 @@
 
 from .batch import Batch, Pending
 from .broker import Broker, Channel, Queue
+from .consumers import ConsumerInfo
 from .dequeue import DeadLettered, DequeueResult, Message
 from .expiry import QueueExpiry
 from .finalize import KEEP
+from .listing import MessageInfo
 from .operate import (
     ChannelStatus,
     Counters,
     HorizonHolder,
     MessageDetail,
-    MessageInfo,
     QueueSettings,
     QueueStatus,
     RateHeld,
@@ -28,6 +29,7 @@ __all__ = [
     "Channel",
     "ChannelInfo",
     "ChannelStatus",
+    "ConsumerInfo",
     "Counters",
     "CreateResult",
     "Created",

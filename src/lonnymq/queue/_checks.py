@@ -111,6 +111,12 @@ def integer(value: object, what: str, *, low: int, high: int) -> int:
     return value
 
 
+def boolean(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be True or False, not {value!r}")
+    return value
+
+
 def limit_or_none(value: object, what: str) -> int | None:
     return None if value is None else integer(value, what, low=0, high=MAX_INT4)
 

@@ -16,29 +16,28 @@ from .. import migrator
 from . import _checks
 from ._ops import Conn, require_sync, run
 from .batch import Batch
+from .consumers import ConsumerInfo, consumer_list_op
 from .create import ChannelMessages
 from .dequeue import DEFAULT_LOCK_MS, DequeueResult, Message, dequeue_op
 from .expiry import QueueExpiry, expire_op, expiring_op, housekeep_op
 from .finalize import KEEP, defer_op, delete_many_op, delete_op, heartbeat_op, reject_op
+from .listing import MessageInfo, Order, State, list_op
 from .operate import (
     DEFAULT_SETTINGS,
     UNSET,
     ChannelStatus,
     HorizonHolder,
     MessageDetail,
-    MessageInfo,
     QueueSettings,
     QueueStatus,
     RateHeld,
     RetryResult,
-    State,
     UpdateResult,
     channels_op,
     configure_op,
     dead_purge_op,
     get_op,
     horizon_op,
-    list_op,
     rate_held_op,
     remove_op,
     retry_op,
@@ -211,13 +210,34 @@ class Broker:
         state: State | None = None,
         after: int = 0,
         limit: int = 50,
+        order: Order = "id",
+        after_due: datetime | None = None,
+        peek: int = 0,
     ) -> list[MessageInfo]:
         """Messages (live and dead letters) by id, after ``after`` (page with the last id
-        seen), filtered by queue, channel and state (ready, delayed, locked, dead)."""
+        seen), filtered by queue, channel and state (ready, delayed, locked, dead). With
+        ``order="due"``: the live messages in the order they fall due (page with the last
+        one's ``dequeue_at`` as ``after_due`` and its id as ``after``). ``peek``: that many
+        bytes of each end of every message's content (``.head``, ``.tail``), where a Kombu
+        message keeps its headers."""
         op = list_op(
-            self.schema, queue=queue, channel=channel, state=state, after=after, limit=limit
+            self.schema,
+            queue=queue,
+            channel=channel,
+            state=state,
+            after=after,
+            limit=limit,
+            order=order,
+            after_due=after_due,
+            peek=peek,
         )
         return run(require_sync(conn), op)
+
+    def consumers(self, conn: Conn, queue: str | None = None) -> list[ConsumerInfo]:
+        """The Kombu consumers of ``queue`` (of every queue when None), as their
+        transports registered them: who (host, pid, Celery node), since when, when last heard
+        of, their last delivery (reported every few seconds)."""
+        return run(require_sync(conn), consumer_list_op(self.schema, queue))
 
     def message(self, conn: Conn, message_id: int) -> MessageDetail | None:
         """One message or dead letter, with its content; None when there is no such id."""

@@ -7,23 +7,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal, LiteralString
+from typing import Any, LiteralString
 
 from psycopg.types.json import Jsonb
 
 from ..exceptions import InvalidArgument, MessageLocked, MessageNotFound
 from . import _checks
 from ._ops import Op, Rows, no_result, render
+from .listing import State
 from .rate import Rate, rate_of
-
-State = Literal["ready", "delayed", "locked", "dead"]
-STATES: tuple[State, ...] = ("ready", "delayed", "locked", "dead")
 
 _STATUS: LiteralString = "SELECT * FROM {schema}.queue_status_v1(%s::boolean)"
 _CHANNELS: LiteralString = "SELECT * FROM {schema}.channel_list_v2(%s::text, %s::integer)"
-_LIST: LiteralString = (
-    "SELECT * FROM {schema}.message_list_v1(%s::text, %s::text, %s::text, %s::bigint, %s::integer)"
-)
 _GET: LiteralString = "SELECT * FROM {schema}.message_get_v1(%s::bigint)"
 _REMOVE: LiteralString = "SELECT * FROM {schema}.message_remove_v1(%s::bigint[])"
 _RETRY: LiteralString = "SELECT * FROM {schema}.message_retry_v1(%s::bigint[])"
@@ -131,25 +126,6 @@ class ChannelStatus:
     next_token_at: datetime | None = None
     #: since when its oldest ready message has been due (None: none is ready)
     oldest_ready_at: datetime | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MessageInfo:
-    """A message as listed: no content."""
-
-    id: int
-    queue: str
-    channel: str
-    name: str | None
-    priority: int
-    attempts: int
-    state: State
-    dequeue_at: datetime | None
-    locked_until: datetime | None
-    created_at: datetime
-    dead_at: datetime | None
-    reason: str | None
-    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,39 +259,6 @@ def channels_op(schema: str, queue: str, *, limit: int = 20) -> Op[list[ChannelS
         return out
 
     return Op(schema, render(_CHANNELS, schema), (queue, count), parse)
-
-
-def state_arg(state: object) -> State | None:
-    if state is None:
-        return None
-    if state not in STATES:
-        raise InvalidArgument(
-            f"state must be one of {', '.join(STATES)} (or None for all), not {state!r}"
-        )
-    return state
-
-
-def list_op(
-    schema: str,
-    *,
-    queue: str | None = None,
-    channel: str | None = None,
-    state: State | None = None,
-    after: int = 0,
-    limit: int = 50,
-) -> Op[list[MessageInfo]]:
-    params = (
-        None if queue is None else _checks.name(queue, "queue"),
-        None if channel is None else _checks.name(channel, "channel"),
-        state_arg(state),
-        _checks.integer(after, "after", low=0, high=2**63 - 1),
-        _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT),
-    )
-
-    def parse(rows: Rows) -> list[MessageInfo]:
-        return [MessageInfo(*row) for row in rows]
-
-    return Op(schema, render(_LIST, schema), params, parse)
 
 
 def get_op(schema: str, message_id: int) -> Op[MessageDetail | None]:

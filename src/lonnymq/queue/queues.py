@@ -10,7 +10,8 @@ from ._ops import Op, Rows, render
 from .results import QueueStats
 
 _DECLARE: LiteralString = (
-    "SELECT waiting, in_flight FROM {schema}.queue_declare_v1(%s::text, %s::bigint, %s::bigint)"
+    "SELECT waiting, in_flight FROM {schema}.queue_declare_v2(%s::text, %s::bigint, %s::bigint, "
+    "%s::boolean, %s::integer)"
 )
 _EXISTS: LiteralString = (
     "SELECT EXISTS (SELECT 1 FROM {schema}.queue WHERE name = %s) "
@@ -35,13 +36,22 @@ def queue_declare_op(
     *,
     expires_ms: int | None = None,
     message_ttl_ms: int | None = None,
+    auto_delete: bool = False,
+    max_priority: int | None = None,
 ) -> Op[tuple[int, int]]:
+    """Declare ``queue`` with Kombu's arguments: ``x-expires``, ``x-message-ttl``,
+    ``auto_delete`` (it goes when its last consumer does), ``x-max-priority`` (a higher
+    message priority is taken as it)."""
     params = (
         _checks.name(queue, "queue"),
         None if expires_ms is None else _checks.integer(expires_ms, "x-expires", low=1, high=2**62),
         None
         if message_ttl_ms is None
         else _checks.integer(message_ttl_ms, "x-message-ttl", low=0, high=2**62),
+        _checks.boolean(auto_delete, "auto_delete"),
+        None
+        if max_priority is None
+        else _checks.integer(max_priority, "x-max-priority", low=1, high=_checks.MAX_PRIORITY),
     )
 
     def parse(rows: Rows) -> tuple[int, int]:

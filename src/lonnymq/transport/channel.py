@@ -162,6 +162,8 @@ class Channel(TopologyChannel):
         else:
             self._no_ack_queues.discard(queue)
         tag = super().basic_consume(queue, no_ack, *args, **kwargs)
+        self.connection.registry.consumed(self, tag)  # who consumes, for every process
+        self.connection._ensure_heartbeat()
         self.connection.wake()  # in an event loop: look at once
         return tag
 
@@ -175,6 +177,8 @@ class Channel(TopologyChannel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
+        # (an auto_delete queue goes with its last consumer, of any process)
+        self.connection.registry.cancelled(self, consumer_tag)
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:

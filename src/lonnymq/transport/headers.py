@@ -97,15 +97,18 @@ def check_kombu_queue_kwargs(options: dict[str, Any]) -> None:
         if not number or value != value or not low <= value <= 2**62 / 1000:
             least = "0" if low == 0 else f"{low} (1 ms)"
             raise InvalidArgument(
-                f"Queue({key}={value!r}): {key} is in seconds and must be a number of at "
-                f"least {least}"
+                f"Queue({key}={value!r}): {key} is in seconds (x-{key.replace('_', '-')} is "
+                f"its milliseconds) and must be a number of at least {least}"
             )
     for key, (lo, hi) in _KOMBU_COUNTS.items():
         value = options.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            raise InvalidArgument(f"Queue({key}={value!r}): {key} must be an int from {lo} to {hi}")
+            raise InvalidArgument(
+                f"Queue({key}={value!r}): {key} (x-{key.replace('_', '-')}) must be an int "
+                f"from {lo} to {hi}"
+            )
 
 
 def str_or_none(value: Any, what: str) -> str | None:

@@ -76,11 +76,14 @@ class Heartbeat(threading.Thread):
                 )
 
     def touch(self) -> None:
-        """Mark the consumed queues used now, so that no sweep takes them for unused (their
+        """Refresh this connection's registered consumers (see :mod:`.registry`) and mark
+        the consumed queues used now, so that no sweep takes them for unused (their
         ``x-expires``)."""
         transport = self.transport
+        transport.registry.sync()
         queues: set[str] = set()
         for channel in list(transport.channels):
             queues.update(channel._active_queues)
-        if queues:
-            transport.pg.run(touch_op(transport.options.schema, sorted(queues)))
+        others = sorted(queues - transport.registry.queues())
+        if others:  # consumed by no registered consumer (started in another process)
+            transport.pg.run(touch_op(transport.options.schema, others))

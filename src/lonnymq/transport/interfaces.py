@@ -17,6 +17,7 @@ from ..queue.dequeue import DequeueResult, Message
 from .acks import Ack, AckBuffer, Held
 from .connection import PgClient, Waiter
 from .options import Options
+from .registry import Registry
 from .sleep import SleepKeys
 
 T = TypeVar("T")
@@ -123,6 +124,10 @@ class TransportLike(Protocol):
 
     @property
     def in_event_loop(self) -> bool: ...
+
+    @property
+    def registry(self) -> Registry:
+        """The connection's consumers, registered for every process to see."""
 
     def consumer_op(self, op: Op[T]) -> Op[T]: ...
 

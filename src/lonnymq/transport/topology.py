@@ -98,7 +98,8 @@ class TopologyChannel(virtual.Channel):
                 )
             waiting = self._size(queue)
         else:
-            waiting = self._declare(queue, queue_arguments(kwargs.get("arguments") or {}))
+            arguments = queue_arguments(kwargs.get("arguments") or {})
+            waiting = self._declare(queue, arguments, auto_delete=bool(kwargs.get("auto_delete")))
         return queue_declare_ok_t(queue, waiting, 0)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
@@ -109,13 +110,19 @@ class TopologyChannel(virtual.Channel):
         check_kombu_queue_kwargs(kwargs)
         return to_rabbitmq_queue_arguments(arguments or {}, **kwargs)
 
-    def _declare(self, queue: str, arguments: QueueArguments) -> int:
-        """Declare ``queue`` with its arguments; ``x-max-length`` sets the queue's default
-        ``max_size`` (in the same transaction; only when it differs, so that a role without
-        policy rights may redeclare). Returns the messages waiting."""
+    def _declare(self, queue: str, arguments: QueueArguments, *, auto_delete: bool) -> int:
+        """Declare ``queue`` with its arguments (``auto_delete``: it goes when its last
+        consumer does); ``x-max-length`` sets the queue's default ``max_size`` (in the same
+        transaction; only when it differs, so that a role without policy rights may
+        redeclare). Returns the messages waiting."""
         schema = self.options.schema
         op = queue_declare_op(
-            schema, queue, expires_ms=arguments.expires_ms, message_ttl_ms=arguments.message_ttl_ms
+            schema,
+            queue,
+            expires_ms=arguments.expires_ms,
+            message_ttl_ms=arguments.message_ttl_ms,
+            auto_delete=auto_delete,
+            max_priority=arguments.max_priority,
         )
         if arguments.max_length is None:
             waiting, _ = self._run(op)
@@ -160,6 +167,13 @@ class TopologyChannel(virtual.Channel):
         if if_empty and self._size(queue):
             return None
         return int(self._run(delete_queue_op(self.options.schema, queue)))
+
+    def after_reply_message_received(self, queue: str) -> None:
+        """kombu's virtual transports delete a pidbox reply queue after each collection of
+        replies (``celery inspect``, mingle). As on RabbitMQ, that queue is ``auto_delete``
+        (and has an ``x-expires``): it goes when its last consumer cancels, which takes no
+        right to delete queues (a worker role has none), and not while another process
+        still collects from it."""
 
     def queue_purge(self, queue: str, **kwargs: Any) -> int:
         return int(self._run(purge_op(self.options.schema, queue)))

@@ -29,6 +29,7 @@ from .heartbeat import Heartbeat
 from .interfaces import ChannelLike, Delivery, Job
 from .loop import LoopConsumer
 from .options import Options
+from .registry import Registry
 from .sleep import Settled, SleepKeys, sooner
 from .sweep import Sweeper, sweeper_for
 
@@ -82,6 +83,8 @@ class Transport(virtual.Transport):
         self._said_polling = False
         self._policies_applied = False
         self.acks = AckBuffer()
+        #: this connection's consumers, as every process sees them (see .registry)
+        self.registry = Registry(self, self.options.schema)
         self._side_pg: PgClient | None = None
         if not self.options.event_loop:  # Celery then drives the consumer by drain_events
             self.implements = type(self).implements.extend(asynchronous=False)
@@ -284,10 +287,20 @@ class Transport(virtual.Transport):
                     run(conn, configure_op(schema, queue, **spec["settings"]))
         logger.info("lonnymq: applied the channel policies of %d queue(s)", len(policies))
 
+    def run_consumer_op(self, op: Op[T]) -> T:
+        """Run one of the consumer's own operations (its commit as ``consumer_commit``)."""
+        return self.pg.run(self.consumer_op(op))
+
+    def _deliver(self, message: Any, queue: str) -> None:
+        self.registry.delivered(queue)
+        super()._deliver(message, queue)
+
     def close_connection(self, connection: Any) -> None:
         try:
             self._leave_loop()
             super().close_connection(connection)
+            with contextlib.suppress(Exception):  # else the sweep removes them
+                self.registry.sync()  # its consumers are gone (channels closed unsynced)
         finally:
             if self._heartbeat is not None:
                 self._heartbeat.stopped.set()

@@ -19,7 +19,7 @@ from ..queue import (
     MessageInfo,
     QueueStatus,
 )
-from ..queue.operate import STATES, State
+from ..queue.listing import STATES, State
 from ..report import (
     expired_warning,
     horizon_text,

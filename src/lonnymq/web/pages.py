@@ -13,7 +13,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..exceptions import InvalidName
 from ..queue import _checks
-from ..queue.operate import STATES
+from ..queue.listing import STATES
 from . import data
 from .data import MAX_PAGE
 from .render import BadRequest, render, web_of
