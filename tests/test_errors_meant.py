@@ -82,11 +82,13 @@ def test_a_misspelt_transport_option_names_the_one_meant(
     [
         (
             {"message_ttl": -1},
-            "message_ttl is in seconds (x-message-ttl is its milliseconds) and must be a number of at least 0",
+            "message_ttl is in seconds (x-message-ttl is its milliseconds) and must be a number "
+            "of at least 0",
         ),
         (
             {"expires": 0},
-            "expires is in seconds (x-expires is its milliseconds) and must be a number of at least 0.001",
+            "expires is in seconds (x-expires is its milliseconds) and must be a number of at "
+            "least 0.001",
         ),
         ({"expires": 0.0001}, "expires is in seconds"),
         (
