@@ -36,7 +36,9 @@ Proc = subprocess.CompletedProcess[str]
 ANSI = re.compile(r"\x1b\[")
 UNREACHABLE = "postgresql://u:secret@127.0.0.1:1/db"
 
-STATUS_RIGHT = {"READY", "DELAYED", "IN FLIGHT", "DEAD", "OLDEST READY", "CHANNELS"}
+STATUS_RIGHT = {
+    "READY", "DELAYED", "IN FLIGHT", "DEAD", "OLDEST READY", "CHANNELS", "CONSUMERS",
+}  # fmt: skip
 TOP_RIGHT = STATUS_RIGHT | {"ENQ/S", "DELIV/S", "ACK/S", "DEAD/S"}
 CHANNELS_RIGHT = {
     "SIZE", "IN FLIGHT", "MAX CONC", "MAX SIZE", "WAITING", "ENQUEUED", "ACKED", "DEAD",

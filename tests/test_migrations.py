@@ -549,6 +549,9 @@ API_FUNCTIONS = {
     "channel_get_v2",
     "rate_held_v1",
     "message_list_v1",
+    "message_list_v2",
+    "channel_list_v3",
+    "consumer_list_v1",
     "message_get_v1",
     "message_remove_v1",
     "message_retry_v1",
@@ -643,6 +646,13 @@ def test_everything_works_with_an_empty_search_path(
     time.sleep(0.01)
     assert [d.id for d in queue.dequeue(conn, lock_ms=60_000).dead] == [poison.id]
     assert {m.id for m in broker.messages(conn, state="dead")} == {bad.id, poison.id}
+    # version 1 of the listing (clients of schema versions 3 to 9)
+    assert conn.execute(
+        sql.SQL("SELECT count(*) FROM {}.message_list_v1(NULL, NULL, 'dead', 0, 10)").format(
+            sql.Identifier(schema)
+        )
+    ).fetchone() == (2,)
+    assert broker.consumers(conn) == []
     assert broker.message(conn, bad.id) is not None
     assert broker.status(conn)[0].dead == 2
     assert queue.channels(conn) != []

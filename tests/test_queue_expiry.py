@@ -195,7 +195,24 @@ def add(x, y):
     return x + y
 
 
+@app.task(name="t.slow", shared=False)
+def slow(seconds):
+    import time
+
+    time.sleep(seconds)
+    return seconds
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "late":
+        # a client that waits a little for a slow task's result, gives up and goes away
+        pending = slow.delay(float(sys.argv[2]))
+        print(app.backend.oid, flush=True)
+        try:
+            pending.get(timeout=0.5)
+        except Exception as exc:
+            print("gave up:", type(exc).__name__, flush=True)
+        sys.exit(0)
     # a client: send tasks and go away without reading their results
     results = [add.delay(2, i) for i in range(int(sys.argv[1]))]
     print(app.backend.oid, flush=True)
@@ -238,11 +255,11 @@ class App:
         wait_for(lambda: " ready." in log.read_text(errors="replace"), 30, f"{name} ready", log)
         return proc, log
 
-    def client(self, tasks: int, extra: dict[str, str] | None = None) -> str:
-        """Run the app module as a client that sends ``tasks`` tasks and exits; its reply
-        queue's name."""
+    def client(self, tasks: int | str, *args: str, extra: dict[str, str] | None = None) -> str:
+        """Run the app module as a client that sends ``tasks`` tasks (or, ``"late"``, one
+        slow task whose result it waits 0.5 s for) and exits; its reply queue's name."""
         done = subprocess.run(
-            [sys.executable, str(self.path), str(tasks)],
+            [sys.executable, str(self.path), str(tasks), *args],
             cwd=self.dir,
             env=self.env(extra),
             capture_output=True,
@@ -283,6 +300,30 @@ def test_rpc_reply_queue_of_a_client_that_went_away_expires_with_its_results(
     # ... and both go after 3 s unused (the live worker sweeps every 0.5 s)
     wait_for(lambda: queue_row(conn, schema, reply) is None, 20, "the reply queue to go", log)
     assert messages_of(conn, schema, reply) == 0
+
+
+def test_a_late_rpc_result_does_not_re_create_a_reply_queue_that_went(
+    app: App, conn: Conn, schema: str
+) -> None:
+    """A client waited 0.5 s for a slow task's result, gave up and exited: its reply queue
+    (``auto_delete``) went with its consumer, as on RabbitMQ. The result the worker sends
+    later is dropped: it used to re-create the queue, without its ``x-expires``, for ever.
+    Then a client that never read its reply queue: it goes at its ``x-expires``, and a
+    result after that is dropped too."""
+    _, log = app.worker("w0")
+    reply = app.client("late", "2")
+    assert queue_row(conn, schema, reply) is None  # gone with the client's consumer
+    wait_for(lambda: "succeeded in" in log.read_text(errors="replace"), 20, "the task", log)
+    time.sleep(1.0)  # the result was published, and ingested were it anywhere
+    assert queue_row(conn, schema, reply) is None
+    assert messages_of(conn, schema, reply) == 0
+    gone = conn.execute(
+        sql.SQL("SELECT reason FROM {} WHERE name = %s").format(
+            sql.Identifier(schema, "queue_gone")
+        ),
+        (reply,),
+    ).fetchone()
+    assert gone == ("auto_delete",)
 
 
 def test_pidbox_queue_of_a_killed_worker_is_swept_by_a_producer(

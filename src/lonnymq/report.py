@@ -9,13 +9,24 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import re
+import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import psycopg
 
-from .queue import Broker, HorizonHolder, MessageDetail, QueueExpiry, QueueStatus, Rate, RateHeld
+from .queue import (
+    Broker,
+    ConsumerInfo,
+    HorizonHolder,
+    MessageDetail,
+    QueueExpiry,
+    QueueStatus,
+    Rate,
+    RateHeld,
+)
 
 #: The counters whose rates ``top`` and the web view show, in order.
 RATE_COUNTERS = ("enqueued", "delivered", "acked", "dead")
@@ -26,6 +37,8 @@ def jsonable(value: Any) -> Any:
     as written (``"10/s"``)."""
     if isinstance(value, datetime):
         return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
     if isinstance(value, Rate):
         return str(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -47,13 +60,24 @@ def age(seconds: float | None) -> str:
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
+def consumer_counts(consumers: Sequence[ConsumerInfo]) -> dict[str, int]:
+    """The live consumers of each queue (those presumed gone not counted)."""
+    counts: dict[str, int] = {}
+    for c in consumers:
+        if c.alive:
+            counts[c.queue] = counts.get(c.queue, 0) + 1
+    return counts
+
+
 def status_dict(
     s: QueueStatus,
     now: datetime,
     expiry: QueueExpiry | None = None,
     held: RateHeld | None = None,
+    consumers: int | None = None,
 ) -> dict[str, Any]:
-    """One queue as ``lonnymq status --json`` prints it."""
+    """One queue as ``lonnymq status --json`` prints it (``consumers``: its live Kombu
+    consumers, None when not read)."""
     return {
         "queue": s.queue,
         "ready": s.ready,
@@ -63,6 +87,7 @@ def status_dict(
         "total": s.total,
         "oldest_ready_age_seconds": s.oldest_ready_age(now),
         "channels": s.channels,
+        "consumers": consumers,
         "counters": {
             "enqueued": s.counters.enqueued,
             "delivered": s.counters.delivered,
@@ -112,17 +137,35 @@ def rates(
     ]
 
 
-def is_internal(s: QueueStatus) -> bool:
-    """Kombu's and Celery's own plumbing (pidbox, events, reply queues) when idle: hidden from
-    status and top unless asked for, or unless something is waiting there."""
-    name = s.queue
-    plumbing = (
+#: Seconds a message may wait in a consumed plumbing queue before the queue counts as busy.
+PLUMBING_IDLE_S = 10.0
+
+
+def is_plumbing(name: str) -> bool:
+    """Kombu's and Celery's own queues: pidbox, events (gossip, ``celery events``, Flower),
+    reply queues."""
+    return (
         name.endswith(".pidbox")
         or name.startswith("celeryev.")
         or name.endswith(".reply.celery.pidbox")
         or (len(name) == 36 and name.count("-") == 4)  # a reply queue named by a uuid
     )
-    return plumbing and s.total == 0 and s.dead == 0
+
+
+def is_internal(s: QueueStatus, now: datetime | None = None, consumers: int = 0) -> bool:
+    """Kombu's and Celery's own plumbing while idle, hidden from status and top unless asked
+    for: empty, or consumed (``consumers`` live ones) with nothing waiting there longer than
+    :data:`PLUMBING_IDLE_S` (a worker's own event queue receives every worker's heartbeats
+    and takes them as they come). Shown when something waits there with no consumer, or
+    for longer (commands to a worker that is gone, results nobody reads), or is dead."""
+    if not is_plumbing(s.queue) or s.dead or s.delayed:
+        return False
+    if s.total == 0:
+        return True
+    if not consumers:
+        return False
+    oldest = None if now is None else s.oldest_ready_age(now)
+    return oldest is None or oldest < PLUMBING_IDLE_S
 
 
 def expired_warning(expiries: Sequence[QueueExpiry], statuses: Sequence[QueueStatus]) -> str | None:
@@ -204,3 +247,59 @@ def message_body(detail: MessageDetail) -> tuple[Any, dict[str, Any] | None]:
         with contextlib.suppress(ValueError):
             body = json.loads(body)
     return body, payload.get("headers")
+
+
+#: Bytes of each end of a message's content read for its Celery task (:func:`task_of`).
+TASK_PEEK = 4096
+#: Characters of a task's arguments shown in a list.
+ARGS_PREVIEW = 120
+_HEADERS_KEY = '"headers": '
+_JSON_STRING = r'"(?:[^"\\]|\\.)*"'
+
+
+def _headers_of(head: bytes, tail: bytes | None) -> dict[str, Any] | None:
+    """The headers of a Kombu message from the ends of its content (``tail`` None: ``head``
+    is all of it). Kombu writes them after the body, so a long message's are in its tail."""
+    text = (head if tail is None else tail).decode("utf-8", "replace")
+    if tail is None:
+        with contextlib.suppress(ValueError):
+            payload = json.loads(text)
+            headers = payload.get("headers") if isinstance(payload, dict) else None
+            return headers if isinstance(headers, dict) else None
+        return None
+    at = text.rfind(_HEADERS_KEY)
+    while at > 0 and text[at - 1] == "\\":  # inside the body, a JSON string of its own
+        at = text.rfind(_HEADERS_KEY, 0, at)
+    if at >= 0:
+        with contextlib.suppress(ValueError):
+            found, _ = json.JSONDecoder().raw_decode(text, at + len(_HEADERS_KEY))
+            if isinstance(found, dict):
+                return found
+    # headers longer than the tail: the keys that are in it
+    out: dict[str, Any] = {}
+    for key in ("task", "argsrepr", "kwargsrepr"):
+        match = re.search(f'"{key}": ({_JSON_STRING})', text)
+        if match:
+            with contextlib.suppress(ValueError):
+                out[key] = json.loads(match[1])
+    return out or None
+
+
+def task_of(head: bytes | None, tail: bytes | None) -> dict[str, str | None] | None:
+    """A listed message's Celery task, from the ends of its content (``Broker.messages(...,
+    peek=TASK_PEEK)``): ``{"task": name, "args": preview}``, the preview made of the
+    arguments as Celery wrote them for people (``argsrepr``, ``kwargsrepr``), cut at
+    :data:`ARGS_PREVIEW` characters; None for a message that is not a Celery task."""
+    if head is None:
+        return None
+    headers = _headers_of(head, tail)
+    if not headers or not isinstance(headers.get("task"), str):
+        return None
+    args, kwargs = headers.get("argsrepr"), headers.get("kwargsrepr")
+    parts = [str(args)] if args is not None else []
+    if kwargs not in (None, "{}"):
+        parts.append(str(kwargs))
+    preview = " ".join(parts) if parts else None
+    if preview is not None and len(preview) > ARGS_PREVIEW:
+        preview = preview[: ARGS_PREVIEW - 1] + "…"
+    return {"task": headers["task"], "args": preview}

@@ -15,7 +15,7 @@ import psycopg
 
 from ..dsn import mask_password
 from ..queue import Broker, QueueStatus
-from ..report import expired_warning, horizon_warning
+from ..report import consumer_counts, expired_warning, horizon_warning
 from ..report import is_internal as _is_internal
 from ..report import rates as _rates
 from ..report import status_dict as _status_dict
@@ -28,9 +28,12 @@ def _read_status(
     broker: Broker,
     args: argparse.Namespace,
     keep: frozenset[str] = frozenset(),
-) -> tuple[list[QueueStatus], datetime]:
+) -> tuple[list[QueueStatus], datetime, dict[str, int]]:
+    """The queues' status (the ones asked for; idle plumbing hidden unless ``--all``), the
+    database's time, and each queue's live consumers."""
     statuses = broker.status(conn, count_ready=not args.no_count)
     now = db_now(conn)
+    consumers = consumer_counts(broker.consumers(conn))
     if args.queues:
         wanted = set(args.queues)
         statuses = [s for s in statuses if s.queue in wanted]
@@ -38,14 +41,29 @@ def _read_status(
         if missing:
             print(f"lonnymq: no such queue: {', '.join(missing)}", file=sys.stderr)
     elif not args.all:
-        statuses = [s for s in statuses if s.queue in keep or not _is_internal(s)]
-    return statuses, now
+        statuses = [
+            s
+            for s in statuses
+            if s.queue in keep or not _is_internal(s, now, consumers.get(s.queue, 0))
+        ]
+    return statuses, now, consumers
 
 
-_STATUS_HEAD = ["QUEUE", "READY", "DELAYED", "IN FLIGHT", "DEAD", "OLDEST READY", "CHANNELS"]
+_STATUS_HEAD = [
+    "QUEUE",
+    "READY",
+    "DELAYED",
+    "IN FLIGHT",
+    "DEAD",
+    "OLDEST READY",
+    "CHANNELS",
+    "CONSUMERS",
+]
 
 
-def _status_row(s: QueueStatus, now: datetime, style: term.Style) -> list[str]:
+def _status_row(
+    s: QueueStatus, now: datetime, style: term.Style, consumers: dict[str, int]
+) -> list[str]:
     oldest = s.oldest_ready_age(now)
     oldest_text = term.age(oldest)
     if oldest is not None and oldest >= 60:
@@ -59,6 +77,7 @@ def _status_row(s: QueueStatus, now: datetime, style: term.Style) -> list[str]:
         style(dead, "red") if s.dead else dead,
         oldest_text,
         term.number(s.channels),
+        term.number(consumers.get(s.queue, 0)),
     ]
 
 
@@ -70,7 +89,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         if args.queues:
             expiries = [e for e in expiries if e.queue in set(args.queues)]
         expired = frozenset(e.queue for e in expiries if e.expired)
-        statuses, now = _read_status(conn, broker, args, keep=expired)
+        statuses, now, consumers = _read_status(conn, broker, args, keep=expired)
         warning = horizon_warning(conn, broker, args.snapshot_warn)
         held = {h.queue: h for h in broker.rate_held(conn)}
     leftovers = expired_warning(expiries, statuses)
@@ -78,7 +97,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     code = 1 if args.queues and len(statuses) < len(set(args.queues)) else 0
     if args.json:
         print_json(
-            [_status_dict(s, now, by_queue.get(s.queue), held.get(s.queue)) for s in statuses]
+            [
+                _status_dict(
+                    s, now, by_queue.get(s.queue), held.get(s.queue), consumers.get(s.queue, 0)
+                )
+                for s in statuses
+            ]
         )
         for line in (warning, leftovers):
             if line:
@@ -89,8 +113,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         if not args.queues:
             print("no queues")
     else:
-        rows = [_status_row(s, now, style) for s in statuses]
-        print(term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 7))))
+        rows = [_status_row(s, now, style, consumers) for s in statuses]
+        print(term.table(_STATUS_HEAD, rows, style, right=frozenset(range(1, 8))))
         for s in statuses:
             h = held.get(s.queue)
             if h is not None:
@@ -147,7 +171,7 @@ def cmd_top(args: argparse.Namespace) -> int:
         with connect(args) as conn:
             broker.check(conn)
             while True:
-                statuses, now = _read_status(conn, broker, args)
+                statuses, now, consumers = _read_status(conn, broker, args)
                 tick = time.monotonic()
                 elapsed = None if last is None else tick - last
                 if args.json:
@@ -157,7 +181,7 @@ def cmd_top(args: argparse.Namespace) -> int:
                                 "time": now.isoformat(),
                                 "queues": [
                                     {
-                                        **_status_dict(s, now),
+                                        **_status_dict(s, now, consumers=consumers.get(s.queue, 0)),
                                         "rates": dict(
                                             zip(
                                                 ("enqueued", "delivered", "acked", "dead"),
@@ -181,7 +205,9 @@ def cmd_top(args: argparse.Namespace) -> int:
                         rates = _rates(s, before, elapsed)
                         for i, r in enumerate(rates):
                             totals[i] += r or 0.0
-                        rows.append(_status_row(s, now, style) + [term.rate(r) for r in rates])
+                        rows.append(
+                            _status_row(s, now, style, consumers) + [term.rate(r) for r in rates]
+                        )
                     title = style(
                         f"lonnymq top  {where}  schema {args.schema}  "
                         f"{now.astimezone().strftime('%Y-%m-%d %H:%M:%S')}",
@@ -199,7 +225,7 @@ def cmd_top(args: argparse.Namespace) -> int:
                             else "rates after the next refresh"
                         )
                     )
-                    body = term.table(_TOP_HEAD, rows, style, right=frozenset(range(1, 11)))
+                    body = term.table(_TOP_HEAD, rows, style, right=frozenset(range(1, 12)))
                     text = f"{title}\n{summary}\n\n{body}\n"
                     warning = horizon_warning(conn, broker, args.snapshot_warn)
                     if warning:

@@ -356,6 +356,14 @@ class Queue:
         """The largest channels, with their policies and counters."""
         return run(require_sync(conn), channels_op(self.schema, self.name, limit=limit))
 
+    def channel_status(self, conn: Conn, channel: str) -> ChannelStatus | None:
+        """One channel's figures, as :meth:`channels` lists them (None: it never held a
+        message and has no policy)."""
+        found = run(
+            require_sync(conn), channels_op(self.schema, self.name, limit=1, channel=channel)
+        )
+        return found[0] if found else None
+
     def purge_dead(self, conn: Conn) -> int:
         """Delete the queue's dead letters; returns how many."""
         return run(require_sync(conn), dead_purge_op(self.schema, self.name))

@@ -18,7 +18,7 @@ from .listing import State
 from .rate import Rate, rate_of
 
 _STATUS: LiteralString = "SELECT * FROM {schema}.queue_status_v1(%s::boolean)"
-_CHANNELS: LiteralString = "SELECT * FROM {schema}.channel_list_v2(%s::text, %s::integer)"
+_CHANNELS: LiteralString = "SELECT * FROM {schema}.channel_list_v3(%s::text, %s::integer, %s::text)"
 _GET: LiteralString = "SELECT * FROM {schema}.message_get_v1(%s::bigint)"
 _REMOVE: LiteralString = "SELECT * FROM {schema}.message_remove_v1(%s::bigint[])"
 _RETRY: LiteralString = "SELECT * FROM {schema}.message_retry_v1(%s::bigint[])"
@@ -238,9 +238,14 @@ def status_op(schema: str, *, count_ready: bool = True) -> Op[list[QueueStatus]]
 _CHANNEL_FIELDS = ChannelStatus.__slots__[:15]
 
 
-def channels_op(schema: str, queue: str, *, limit: int = 20) -> Op[list[ChannelStatus]]:
+def channels_op(
+    schema: str, queue: str, *, limit: int = 20, channel: str | None = None
+) -> Op[list[ChannelStatus]]:
+    """The largest channels of ``queue`` (by backlog, at most ``limit``); with ``channel``,
+    that one alone (its figures, whatever it holds)."""
     queue = _checks.name(queue, "queue")
     count = _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT)
+    only = _checks.optional_name(channel, "channel")
 
     def parse(rows: Rows) -> list[ChannelStatus]:
         out = []
@@ -258,7 +263,7 @@ def channels_op(schema: str, queue: str, *, limit: int = 20) -> Op[list[ChannelS
             out.append(status)
         return out
 
-    return Op(schema, render(_CHANNELS, schema), (queue, count), parse)
+    return Op(schema, render(_CHANNELS, schema), (queue, count, only), parse)
 
 
 def get_op(schema: str, message_id: int) -> Op[MessageDetail | None]:

@@ -3532,7 +3532,8 @@ $$;
 -- The channels of a queue, largest first, with their policies (rates too), counters, the
 -- state of their rate: deliveries allowed now (`tokens`) and, when none is, when the next one
 -- is (`next_token_at`); and since when their oldest ready message has been due.
-CREATE FUNCTION {schema}.channel_list_v2(p_queue text, p_limit integer)
+-- With p_channel: that channel alone (whatever it holds).
+CREATE FUNCTION {schema}.channel_list_v3(p_queue text, p_limit integer, p_channel text)
 RETURNS TABLE (
     channel_name text, size integer, in_flight integer, max_concurrency integer,
     max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
@@ -3561,7 +3562,9 @@ BEGIN
     -- (the largest first, limited before the per-channel lookups: with them first, the top 50
     -- of 100,000 channels took 1,892 ms, limited first 326 ms)
     top AS MATERIALIZED (
-        SELECT * FROM c WHERE c.size > 0 OR c.has_policy
+        SELECT * FROM c
+        WHERE CASE WHEN p_channel IS NULL THEN c.size > 0 OR c.has_policy
+                   ELSE c.channel = p_channel END
         ORDER BY c.size DESC, c.in_flight DESC, c.channel
         LIMIT p_limit
     )
@@ -3582,6 +3585,19 @@ BEGIN
                                              lim.rate_per_ms, lim.burst, v_now) AS st ON true
     ORDER BY top.size DESC, top.in_flight DESC, top.channel;
 END;
+$$;
+
+-- The largest channels of a queue (clients of schema versions 8 and 9): channel_list_v3's.
+CREATE FUNCTION {schema}.channel_list_v2(p_queue text, p_limit integer)
+RETURNS TABLE (
+    channel_name text, size integer, in_flight integer, max_concurrency integer,
+    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
+    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
+    expired bigint, dropped bigint, rate_count integer, rate_per_ms bigint, burst integer,
+    tokens integer, next_token_at timestamptz, oldest_ready_at timestamptz
+)
+LANGUAGE sql AS $$
+    SELECT * FROM {schema}.channel_list_v3(p_queue, p_limit, NULL);
 $$;
 
 -- A channel's own policy, the queue default (rates too), its gauges (messages held, in flight)
@@ -4223,4 +4239,7 @@ ALTER FUNCTION {schema}.consumer_list_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.message_list_v2(text, text, text, bigint, integer, text, timestamptz, integer)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
+ALTER FUNCTION {schema}.channel_list_v3(text, integer, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;

@@ -161,8 +161,10 @@ class Channel(TopologyChannel):
             self._no_ack_queues.add(queue)
         else:
             self._no_ack_queues.discard(queue)
+        before = set(self._consumers)
         tag = super().basic_consume(queue, no_ack, *args, **kwargs)
-        self.connection.registry.consumed(self, tag)  # who consumes, for every process
+        for started in self._consumers - before:  # who consumes, for every process to see
+            self.connection.registry.consumed(self, started)
         self.connection._ensure_heartbeat()
         self.connection.wake()  # in an event loop: look at once
         return tag

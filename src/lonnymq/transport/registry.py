@@ -15,12 +15,15 @@ killed or cut off) is presumed gone, and the next sweep of the schema removes it
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any, Protocol
@@ -35,6 +38,20 @@ logger = logging.getLogger("lonnymq.transport")
 BEAT_S = 5.0
 
 _node: str | None = None
+_LIVE: weakref.WeakSet[Registry] = weakref.WeakSet()
+
+
+def _unregister_at_exit() -> None:
+    """A process that exits without closing its kombu connections (a Celery client, most
+    scripts) unregisters their consumers, as RabbitMQ forgets those of a connection that
+    ends: its auto_delete queues go now, not when a sweep finds the process gone. (Run
+    before the connections close: this module's handler is registered after theirs.)"""
+    for registry in list(_LIVE):
+        with contextlib.suppress(Exception):
+            registry.forget()
+
+
+atexit.register(_unregister_at_exit)
 
 
 def set_node(name: str | None) -> None:
@@ -71,6 +88,7 @@ class Registry:
         self.schema = schema
         self._lock = threading.RLock()
         self._reset()
+        _LIVE.add(self)
 
     def _reset(self) -> None:
         self.pid = os.getpid()
@@ -116,6 +134,14 @@ class Registry:
     def queues(self) -> set[str]:
         """The queues of the consumers the last sync registered."""
         return set(self._queues)
+
+    def forget(self) -> None:
+        """Unregister every consumer of this client (its process exits)."""
+        with self._lock:
+            if self.pid != os.getpid() or not self._registered:
+                return
+            self._tags.clear()
+            self.sync()
 
     def entries(self) -> list[ConsumerEntry]:
         """The consumers started in this process whose channel still has them."""

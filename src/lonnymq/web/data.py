@@ -5,7 +5,7 @@ bounded by its limit) and :mod:`lonnymq.report`, the code behind ``lonnymq statu
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -19,16 +19,21 @@ from ..queue import (
     MessageInfo,
     QueueStatus,
 )
-from ..queue.listing import STATES, State
+from ..queue.consumers import ConsumerInfo
+from ..queue.listing import ORDERS, STATES, Order, State
 from ..report import (
+    RATE_COUNTERS,
+    TASK_PEEK,
+    consumer_counts,
     expired_warning,
     horizon_text,
     is_internal,
     jsonable,
     message_body,
     status_dict,
+    task_of,
 )
-from .history import History
+from .history import Histories, History, channel_counts
 from .readings import Reading, Readings
 
 Conn = psycopg.Connection[Any]
@@ -57,6 +62,8 @@ class Settings:
     history: History
     readings: Readings
     snapshot_warn_s: float = 60.0
+    #: the rates of the channels whose page someone looks at
+    channel_history: Histories = field(default_factory=Histories)
 
 
 StatusReading = tuple[list[QueueStatus], datetime, dict[str, dict[str, float | None]]]
@@ -103,11 +110,17 @@ def overview(conn: Conn, app: Settings, *, include_all: bool = False) -> dict[st
     held = {h.queue: h for h in broker.rate_held(conn)}
     reading = status_reading(conn, app)
     statuses, now, rates = reading.value
+    consumers = consumer_counts(broker.consumers(conn))
     expired = {e.queue for e in expiries if e.expired}
-    shown = [s for s in statuses if include_all or s.queue in expired or not is_internal(s)]
+    shown = [
+        s
+        for s in statuses
+        if include_all or s.queue in expired or not is_internal(s, now, consumers.get(s.queue, 0))
+    ]
     by_queue = {e.queue: e for e in expiries}
     queues = [
-        status_dict(s, now, by_queue.get(s.queue), held.get(s.queue)) | {"rates": rates[s.queue]}
+        status_dict(s, now, by_queue.get(s.queue), held.get(s.queue), consumers.get(s.queue, 0))
+        | {"rates": rates[s.queue]}
         for s in shown
     ]
     warnings = [
@@ -171,7 +184,10 @@ def queue_page(conn: Conn, app: Settings, name: str, *, limit: int = 50) -> dict
     reading = app.readings.get(conn, ("channels", name, limit), read)
     channels, now = reading.value
     held = [h for h in broker.rate_held(conn) if h.queue == name]
-    status = status_dict(found[0], now, None, held[0] if held else None) | {"rates": rates[name]}
+    consumers = [consumer_dict(c, now) for c in broker.consumers(conn, name)]
+    alive = sum(1 for c in consumers if c["alive"])
+    status = status_dict(found[0], now, None, held[0] if held else None, alive)
+    status["rates"] = rates[name]
     default = broker.queue(name).policy.get(conn)
     if default.rate is not None:
         status["policy"] = status["policy"] | {"rate": str(default.rate), "burst": default.burst}
@@ -185,6 +201,21 @@ def queue_page(conn: Conn, app: Settings, name: str, *, limit: int = 50) -> dict
         "limit": limit,
         "has_rate": any(r["rate"] is not None for r in rows),
         "largest": max((r["size"] for r in rows), default=0),
+        "consumers": consumers,
+    }
+
+
+def _seconds(now: datetime, at: datetime | None) -> float | None:
+    return None if at is None else max(0.0, (now - at).total_seconds())
+
+
+def consumer_dict(c: ConsumerInfo, now: datetime) -> dict[str, Any]:
+    """A consumer as ``/api/consumers`` lists it, with how long it has consumed, since its
+    last delivery and since it was last heard of, in seconds."""
+    return fields(c) | {
+        "consuming_seconds": _seconds(now, c.started_at),
+        "delivered_seconds": _seconds(now, c.delivered_at),
+        "seen_seconds": _seconds(now, c.seen_at),
     }
 
 
@@ -208,7 +239,11 @@ def channel_info(conn: Conn, app: Settings, queue: str, channel: str) -> dict[st
 
 
 def message_row(m: MessageInfo) -> dict[str, Any]:
-    return fields(m)
+    """A listed message as ``lonnymq messages list --json`` gives it, with its Celery task's
+    name and a preview of its arguments (``task``, ``args``; None for other messages)."""
+    row = {k: v for k, v in fields(m).items() if k not in ("head", "tail")}
+    task = task_of(m.head, m.tail)
+    return row | {"task": None if task is None else task["task"], "args": task and task["args"]}
 
 
 def messages_page(
@@ -220,22 +255,43 @@ def messages_page(
     state: State | None,
     after: int,
     limit: int,
+    order: Order | None = None,
+    after_due: datetime | None = None,
 ) -> dict[str, Any]:
-    """``/api/messages``: messages by id after ``after``, as ``lonnymq messages list --json``;
-    ``next_after``: the ``after`` of the next page (None: this is the last one)."""
+    """``/api/messages``: messages by id after ``after``, as ``lonnymq messages list --json``
+    with each one's Celery task (:func:`message_row`); ``next_after``: the ``after`` of the
+    next page (None: this is the last one). Delayed messages come in the order they fall
+    due (``order`` "due", the default for them; ``next_after_due`` and ``next_after`` page
+    on)."""
+    if order is None:
+        order = "due" if state == "delayed" else "id"
     page = app.broker.messages(
-        conn, queue=queue, channel=channel, state=state, after=after, limit=limit + 1
+        conn,
+        queue=queue,
+        channel=channel,
+        state=state,
+        after=after,
+        limit=limit + 1,
+        order=order,
+        after_due=after_due if order == "due" else None,
+        peek=TASK_PEEK,
     )
     more = len(page) > limit
     page = page[:limit]
     now = db_now(conn)
+    last = page[-1] if more else None
     return {
         "time": now.isoformat(),
         "filters": {"queue": queue, "channel": channel, "state": state},
+        "order": order,
         "after": after,
+        "after_due": None if after_due is None else after_due.isoformat(),
         "limit": limit,
         "messages": [message_row(m) for m in page],
-        "next_after": page[-1].id if more else None,
+        "next_after": None if last is None else last.id,
+        "next_after_due": None
+        if last is None or order != "due" or last.dequeue_at is None
+        else last.dequeue_at.isoformat(),
         "channel": None
         if queue is None or channel is None
         else channel_info(conn, app, queue, channel),
@@ -325,3 +381,71 @@ def parse_state(value: str | None) -> State | None:
         if value == state:
             return state
     raise ValueError(f"state must be one of {', '.join(STATES)} or all, not {value!r}")
+
+
+def parse_order(value: str | None) -> Order | None:
+    if value in (None, ""):
+        return None
+    for order in ORDERS:
+        if value == order:
+            return order
+    raise ValueError(f"order must be one of {', '.join(ORDERS)}, not {value!r}")
+
+
+def channel_page(conn: Conn, app: Settings, queue: str, channel: str) -> dict[str, Any]:
+    """``/api/channel``: a channel's policy (as ``lonnymq policy show --json``), its figures
+    and counters (as ``lonnymq channels --json`` lists it; None for a channel that never held
+    a message), its rates (``enqueued``, ``delivered``, ``acked``, ``dead`` per second since
+    a reading about 10 s before; null until there are two) and the chart's series, from the
+    readings the page made while someone looked at it."""
+    history = app.channel_history.of((queue, channel))
+
+    def read(c: Conn) -> tuple[ChannelStatus | None, datetime, dict[str, float | None] | None]:
+        status = app.broker.queue(queue).channel_status(c, channel)
+        rates = None if status is None else history.add_counts({channel: channel_counts(status)})
+        return status, db_now(c), None if rates is None else rates[channel]
+
+    reading = app.readings.get(conn, ("channel", queue, channel), read)
+    status, now, rates = reading.value
+    return channel_info(conn, app, queue, channel) | {
+        "time": now.isoformat(),
+        "status": None if status is None else channel_dict(status, now),
+        "rates": rates or dict.fromkeys(RATE_COUNTERS),
+        "history": history.series(),
+        "reading": _reading_info(reading),
+    }
+
+
+def consumers_page(conn: Conn, app: Settings) -> dict[str, Any]:
+    """``/api/consumers``: every Kombu consumer, by queue (``consumers``, as
+    :func:`consumer_dict`), and the processes they belong to (``processes``: host, pid, Celery
+    node, their queues, since when, their last delivery)."""
+    found = app.broker.consumers(conn)
+    now = db_now(conn)
+    rows = [consumer_dict(c, now) for c in found]
+    processes: dict[tuple[str, int, str | None], dict[str, Any]] = {}
+    for c in found:
+        p = processes.setdefault(
+            (c.host, c.pid, c.node),
+            {"host": c.host, "pid": c.pid, "node": c.node, "queues": [], "alive": False,
+             "started_at": c.started_at, "delivered_at": None},
+        )  # fmt: skip
+        p["queues"].append(c.queue)
+        p["alive"] = p["alive"] or c.alive
+        p["started_at"] = min(p["started_at"], c.started_at)
+        if c.delivered_at is not None and (
+            p["delivered_at"] is None or c.delivered_at > p["delivered_at"]
+        ):
+            p["delivered_at"] = c.delivered_at
+    procs = [
+        {k: jsonable(v) for k, v in p.items()}
+        | {"consuming_seconds": _seconds(now, p["started_at"]),
+           "delivered_seconds": _seconds(now, p["delivered_at"])}
+        for p in sorted(processes.values(), key=lambda p: (p["host"], p["pid"]))
+    ]  # fmt: skip
+    return {
+        "time": now.isoformat(),
+        "consumers": rows,
+        "processes": procs,
+        "queues": consumer_counts(found),
+    }

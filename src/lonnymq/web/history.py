@@ -12,23 +12,30 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..queue import QueueStatus
+from ..queue import ChannelStatus, QueueStatus
 from ..report import RATE_COUNTERS
+
+Counts = tuple[int, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
 class _Reading:
     mono: float
     wall: float
-    counters: dict[str, tuple[int, int, int, int]]
+    counters: dict[str, Counts]
 
 
-def _counters(s: QueueStatus) -> tuple[int, int, int, int]:
+def _counters(s: QueueStatus) -> Counts:
     c = s.counters
+    return (c.enqueued, c.delivered, c.acked, c.dead)
+
+
+def channel_counts(c: ChannelStatus) -> Counts:
+    """A channel's counters, in the order of :data:`RATE_COUNTERS`."""
     return (c.enqueued, c.delivered, c.acked, c.dead)
 
 
@@ -43,8 +50,12 @@ class History:
         """Record a reading (unless one was kept less than a second ago) and return each
         queue's rates: ``{queue: {"enqueued": per_s, "delivered": ..., "acked": ...,
         "dead": ...}}``, None until there is an earlier reading."""
+        return self.add_counts({s.queue: _counters(s) for s in statuses})
+
+    def add_counts(self, counts: dict[str, Counts]) -> dict[str, dict[str, float | None]]:
+        """:meth:`add` of counters by key (a queue, a channel)."""
         now = time.monotonic()
-        reading = _Reading(now, time.time(), {s.queue: _counters(s) for s in statuses})
+        reading = _Reading(now, time.time(), counts)
         with self._lock:
             while self._readings and now - self._readings[0].mono > self.keep_s:
                 self._readings.popleft()
@@ -57,15 +68,15 @@ class History:
             if not self._readings or now - self._readings[-1].mono >= 1.0:
                 self._readings.append(reading)
         out: dict[str, dict[str, float | None]] = {}
-        for queue, counts in reading.counters.items():
-            before = None if base is None else base.counters.get(queue)
+        for key, now_counts in reading.counters.items():
+            before = None if base is None else base.counters.get(key)
             if before is None or base is None:
-                out[queue] = dict.fromkeys(RATE_COUNTERS)
+                out[key] = dict.fromkeys(RATE_COUNTERS)
                 continue
             elapsed = now - base.mono
-            out[queue] = {
+            out[key] = {
                 name: max(0, b - a) / elapsed
-                for name, a, b in zip(RATE_COUNTERS, before, counts, strict=True)
+                for name, a, b in zip(RATE_COUNTERS, before, now_counts, strict=True)
             }
         return out
 
@@ -97,3 +108,23 @@ class History:
             )
             points.append(point)
         return points
+
+
+class Histories:
+    """A :class:`History` per key (a queue's channel), for the pages that show one: at most
+    ``keep`` of them, the least recently used dropped first."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.keep = keep
+        self._kept: OrderedDict[tuple[str, str], History] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def of(self, key: tuple[str, str]) -> History:
+        with self._lock:
+            history = self._kept.get(key)
+            if history is None:
+                history = self._kept[key] = History()
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.keep:
+                self._kept.popitem(last=False)
+            return history

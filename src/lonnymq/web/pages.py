@@ -4,6 +4,7 @@ page's script swaps it in every few seconds)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -119,24 +120,71 @@ async def api_queue(request: Request) -> Response:
     return _api(await _read(request, data.queue_page, name, limit=limit))
 
 
-async def api_channel(request: Request) -> Response:
+def _channel_args(request: Request) -> tuple[str, str]:
     queue_name = name_param(request, "queue", required=True)
     channel = name_param(request, "channel", required=True)
-    return _api(await _read(request, data.channel_info, queue_name, channel))
+    assert queue_name is not None and channel is not None
+    return queue_name, channel
+
+
+async def channel(request: Request) -> Response:
+    queue_name, name = _channel_args(request)
+    view = await _read(request, data.channel_page, queue_name, name)
+    live = _param(request, "part") == "live"
+    context = {"view": view, "page": "channel", "title": f"{name} of {queue_name}"}
+    return render(request, "channel_live.html" if live else "channel.html", context)
+
+
+async def api_channel(request: Request) -> Response:
+    return _api(await _read(request, data.channel_page, *_channel_args(request)))
+
+
+# -- consumers -----------------------------------------------------------------------------------
+
+
+async def consumers(request: Request) -> Response:
+    view = await _read(request, data.consumers_page)
+    return render(request, "consumers.html", {"view": view, "page": "consumers"})
+
+
+async def api_consumers(request: Request) -> Response:
+    return _api(await _read(request, data.consumers_page))
 
 
 # -- messages ------------------------------------------------------------------------------------
 
 
+def _after_due(request: Request) -> datetime | None:
+    text = _param(request, "after_due")
+    if not text:
+        return None
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise BadRequest(f"after_due must be an ISO 8601 time, not {text!r}") from None
+    if at.tzinfo is None:
+        raise BadRequest(f"after_due must have a time zone, not {text!r}")
+    return at
+
+
 def _list_args(request: Request) -> dict[str, Any]:
     channel = name_param(request, "channel")
     queue_name = name_param(request, "queue", required=channel is not None)
+    state = state_param(request)
+    try:
+        order = data.parse_order(_param(request, "order"))
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    if order == "due" and state == "dead":
+        raise BadRequest("dead letters are not due: list them by id (order=id)")
     return {
         "queue": queue_name,
         "channel": channel,
-        "state": state_param(request),
+        "state": state,
         "after": int_param(request, "after", 0, 0, 2**63 - 1),
         "limit": int_param(request, "limit", DEFAULT_MESSAGES, 1, MAX_PAGE),
+        "order": order,
+        "after_due": _after_due(request),
     }
 
 
@@ -200,7 +248,10 @@ def routes() -> list[BaseRoute]:
         Route("/api/status", api_status),
         Route("/queue", queue, name="queue"),
         Route("/api/queue", api_queue),
+        Route("/channel", channel, name="channel"),
         Route("/api/channel", api_channel),
+        Route("/consumers", consumers, name="consumers"),
+        Route("/api/consumers", api_consumers),
         Route("/messages", messages, name="messages"),
         Route("/api/messages", api_messages),
         Route("/messages/{id:int}", message, name="message"),
