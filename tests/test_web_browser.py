@@ -1,6 +1,10 @@
+# mypy: allow-untyped-calls
+# (kombu is untyped)
 """The web view in a real headless browser (Debian's chromium and chromedriver, driven by
 Selenium): the overview during live traffic refreshes its figures without reloading the page,
-draws its chart, and runs none of a hostile payload's script. Also: the app mounted inside
+draws its chart, and runs none of a hostile payload's script; the pages for people who run
+workers (a queue's consumers, a channel's rates, Celery tasks in message lists, delayed
+messages in due order). Also: the app mounted inside
 another Starlette app (served by uvicorn in a thread), links and static files under its
 prefix.
 
@@ -25,10 +29,11 @@ from starlette.applications import Starlette
 from starlette.routing import Mount
 
 import lonnymq
+from lonnymq.transport import registry
 from lonnymq.web import create_app
 from tests.conftest import free_port
 
-from ._web import SCRIPT, fill, web_server
+from ._web import SCRIPT, celery_payload, fill, web_server
 
 Conn = psycopg.Connection[Any]
 CHROMIUM = "/usr/bin/chromium"
@@ -174,3 +179,66 @@ def test_mounted_in_another_app(pg_dsn: str, schema: str, conn: Conn) -> None:
         server.should_exit = True
         thread.join(timeout=15)
         web.state.lonnymq.close()
+
+
+def test_pages_for_people_who_run_workers(
+    browser: Any, pg_dsn: str, schema: str, conn: Conn, make_connection: Any
+) -> None:
+    """A queue's consumers (who, since when, last delivery) and its consumer count; a
+    channel's page, whose rates and chart refresh without reloading; message lists with the
+    Celery task and its arguments; delayed messages in the order they fall due."""
+    from kombu.entity import Queue
+    from selenium.webdriver.common.by import By
+
+    fill(conn, schema)
+    emails = lonnymq.Queue("emails", schema=schema)
+    later = emails.channel("sched")
+    for task, seconds in (("report.late", 90), ("report.soon", 30), ("report.middle", 60)):
+        later.message.create(
+            conn, celery_payload(task, [seconds], {}, f"id-{seconds}"), delay_ms=seconds * 1000
+        )
+    registry.set_node("w7@box")
+    kombu_conn = make_connection()
+    consumer = kombu_conn.Consumer(Queue("live"), callbacks=[lambda body, m: m.ack()])
+    try:
+        consumer.consume()
+        with web_server(pg_dsn, schema, "--refresh", "1") as srv, Traffic(pg_dsn, schema):
+            # the overview counts the consumers of each queue
+            browser.get(srv.base + "/")
+            row = browser.find_element(By.CSS_SELECTOR, 'tr[data-queue="live"]')
+            assert row.find_element(By.CSS_SELECTOR, 'td[data-key="consumers"]').text == "1"
+            # the queue page lists them: node, host, pid
+            browser.get(srv.base + "/queue?q=live")
+            cells = browser.find_element(By.CSS_SELECTOR, "#consumers tbody tr").text
+            assert "w7@box" in cells and str(os.getpid()) in cells
+            # ... and the consumers page, by process
+            browser.get(srv.base + "/consumers")
+            assert "w7@box" in browser.find_element(By.ID, "processes").text
+            # a channel's page: its rates refresh, its chart draws
+            browser.get(srv.base + "/channel?queue=live&channel=tenant-1")
+            browser.execute_script("window.__loaded_once = 'yes';")
+            seen = set()
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                counters = browser.find_element(By.ID, "counters").text
+                seen.add(counters)
+                lines = browser.find_elements(By.CSS_SELECTOR, ".chart svg polyline")
+                if len(seen) >= 3 and len(lines) == 4:
+                    break
+                time.sleep(0.5)
+            assert len(seen) >= 3, seen
+            assert len(browser.find_elements(By.CSS_SELECTOR, ".chart svg polyline")) == 4
+            assert browser.execute_script("return window.__loaded_once;") == "yes"
+            # message lists: the Celery task and its arguments; delayed ones, soonest first
+            browser.get(srv.base + "/messages?queue=emails&state=delayed")
+            tasks = [td.text for td in browser.find_elements(By.CSS_SELECTOR, "#messages td.task")]
+            assert tasks == ["report.soon", "report.middle", "report.late"]
+            args = browser.find_elements(By.CSS_SELECTOR, "#messages td.args")
+            assert [a.text for a in args] == ["(30,)", "(60,)", "(90,)"]
+            browser.get(srv.base + "/messages?queue=emails&channel=tenant-7")
+            assert browser.find_element(By.CSS_SELECTOR, "#messages td.task").text == (
+                "billing.charge"
+            )
+    finally:
+        consumer.cancel()
+        registry.set_node(None)
