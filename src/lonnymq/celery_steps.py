@@ -13,9 +13,9 @@ differ from them only in the broker check, are added to the consumer blueprint o
 whose broker is lonnymq, at ``celeryd_init`` (sent by every ``celery worker`` and
 ``app.Worker``). Workers of any other broker are left as they are. Each step stands down when
 Celery's own step is enabled (a later Celery that knows lonnymq), so they never run twice, and
-``--without-mingle`` / ``--without-gossip`` still turn them off. The gossip step also deletes
-its event queue when it stops (the queue is ``auto_delete``, which RabbitMQ honours when its
-consumer goes), so a stopped worker's queue does not collect the others' heartbeats.
+``--without-mingle`` / ``--without-gossip`` still turn them off. The gossip step's event
+queue is ``auto_delete``, which the transport honours as RabbitMQ does: it goes when the
+worker stops, so a stopped worker's queue does not collect the others' heartbeats.
 
 The ``celery`` command imports this module through lonnymq's ``celery.commands`` plugin;
 ``import lonnymq.celery`` does too, for workers started from Python.
@@ -23,7 +23,6 @@ The ``celery`` command imports this module through lonnymq's ``celery.commands``
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from celery import signals
@@ -31,8 +30,6 @@ from celery.worker.consumer.gossip import Gossip as CeleryGossip
 from celery.worker.consumer.mingle import Mingle as CeleryMingle
 
 from .transport import registry
-
-logger = logging.getLogger(__name__)
 
 #: The ``driver_type`` of lonnymq's Kombu transport.
 DRIVER_TYPE = "lonnymq"
@@ -54,10 +51,11 @@ class Mingle(CeleryMingle):  # type: ignore[misc]
 
 
 class Gossip(CeleryGossip):  # type: ignore[misc]
-    """Celery's ``Gossip``, enabled on lonnymq."""
+    """Celery's ``Gossip``, enabled on lonnymq. Its event queue is ``auto_delete``: the
+    transport deletes it when the step's consumer goes (the worker stops), as RabbitMQ does,
+    so a stopped worker's queue does not collect the others' heartbeats."""
 
     requires = (Mingle, CeleryGossip)
-    _event_queues: list[Any] = []  # noqa: RUF012  (reassigned, never mutated)
 
     def __init__(self, c: Any, **kwargs: Any) -> None:
         celery_gossip = getattr(c, "gossip", None)
@@ -68,28 +66,6 @@ class Gossip(CeleryGossip):  # type: ignore[misc]
 
     def compatible_transport(self, app: Any) -> bool:
         return is_lonnymq(app) and not super().compatible_transport(app)
-
-    def get_consumers(self, channel: Any) -> list[Any]:
-        consumers: list[Any] = super().get_consumers(channel)
-        self._event_queues = [queue for consumer in consumers for queue in consumer.queues]
-        return consumers
-
-    def _close(self, c: Any, cancel_consumers: bool = True) -> None:
-        # The event queue is ``auto_delete``, which RabbitMQ honours when its consumer goes:
-        # delete it here, or every worker's heartbeats pile up in it until it expires. A
-        # worker's stop and then its shutdown both come here: the first one deletes.
-        queues, self._event_queues = self._event_queues, []
-        connection = c.connection
-        if connection is not None:
-            errors = tuple(connection.connection_errors) + tuple(connection.channel_errors)
-            for queue in queues:
-                if getattr(queue.channel, "closed", False):
-                    continue
-                try:
-                    queue.delete()
-                except errors as exc:
-                    logger.debug("gossip: could not delete event queue %s: %r", queue.name, exc)
-        super()._close(c, cancel_consumers)
 
 
 STEPS = (Mingle, Gossip)
