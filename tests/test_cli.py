@@ -88,3 +88,17 @@ def test_errors_are_clear(pg_dsn: str, schema: str) -> None:
     unreachable = cli("migrate", "--dsn", "postgresql://u:secret@127.0.0.1:1/db")
     assert unreachable.returncode != 0 and "cannot connect" in unreachable.stderr
     assert "secret" not in unreachable.stderr
+
+
+def test_messages_list_names_the_celery_task(pg_dsn: str, schema: str, conn: Conn) -> None:
+    from tests._web import celery_payload
+
+    lonnymq.install(conn, schema)
+    queue = lonnymq.Broker(schema).queue("jobs")
+    queue.channel("c").message.create(conn, celery_payload("billing.charge", [42], {}, "t1"))
+    queue.channel("c").message.create(conn, b"not celery")
+    base = ("--dsn", pg_dsn, "--schema", schema)
+    rows = json.loads(cli("messages", "list", "--json", *base).stdout)
+    assert [(r["task"], r["args"]) for r in rows] == [("billing.charge", "(42,)"), (None, None)]
+    table = cli("messages", "list", "--color", "never", *base).stdout
+    assert "TASK" in table.splitlines()[0] and "billing.charge" in table

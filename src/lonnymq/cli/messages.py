@@ -14,7 +14,7 @@ import psycopg
 
 from ..queue import Broker
 from ..queue.listing import MessageInfo, state_arg
-from ..report import message_body
+from ..report import TASK_PEEK, message_body, task_of
 from . import term
 from .common import confirm, connect, db_now, fields_of, print_json, style_of, usage_error
 
@@ -22,9 +22,12 @@ _STATE_STYLE = {"ready": "green", "delayed": "blue", "locked": "yellow", "dead":
 
 
 def _message_dict(m: MessageInfo) -> dict[str, Any]:
-    return {
+    """A listed message, with its Celery task's name and arguments (None for others)."""
+    out = {
         name: term.jsonable(value) for name, value in fields_of(m) if name not in ("head", "tail")
     }
+    task = task_of(m.head, m.tail)
+    return out | {"task": task and task["task"], "args": task and task["args"]}
 
 
 def _when_text(m: MessageInfo, now: datetime) -> str:
@@ -41,7 +44,7 @@ def _when_text(m: MessageInfo, now: datetime) -> str:
 
 
 def _list_filters(args: argparse.Namespace) -> dict[str, Any]:
-    return {"queue": args.queue, "channel": args.channel, "state": args.state}
+    return {"queue": args.queue, "channel": args.channel, "state": args.state, "peek": TASK_PEEK}
 
 
 def cmd_messages_list(args: argparse.Namespace) -> int:
@@ -74,7 +77,11 @@ def cmd_messages_list(args: argparse.Namespace) -> int:
         print("no messages")
         return 0
     style = style_of(args)
-    head = ["ID", "QUEUE", "CHANNEL", "STATE", "ATTEMPTS", "PRIO", "AGE", "WHEN", "NAME", "BYTES"]
+    head = [
+        "ID", "QUEUE", "CHANNEL", "STATE", "ATTEMPTS", "PRIO", "AGE", "WHEN", "TASK", "NAME",
+        "BYTES",
+    ]  # fmt: skip
+    tasks = [task_of(m.head, m.tail) for m in out]
     rows = [
         [
             str(m.id),
@@ -85,12 +92,13 @@ def cmd_messages_list(args: argparse.Namespace) -> int:
             str(m.priority),
             term.since(m.created_at, now),
             _when_text(m, now),
+            "-" if task is None else str(task["task"]),
             m.name or "-",
             term.number(m.size),
         ]
-        for m in out
+        for m, task in zip(out, tasks, strict=True)
     ]
-    print(term.table(head, rows, style, right=frozenset({0, 4, 5, 6, 9})))
+    print(term.table(head, rows, style, right=frozenset({0, 4, 5, 6, 10})))
     if more:
         print(
             style(f"more: lonnymq messages list ... --after {out[-1].id} (or --all)", "dim"),
