@@ -18,9 +18,17 @@ Features
   header keep the message invisible to consumers until due. Priority: the ``priority``
   property (0-255, higher first, within a channel). Expiry: the ``expiration`` property and the
   ``x-message-ttl`` / ``x-expires`` queue arguments; kombu's ``Queue(expires=, message_ttl=,
-  max_length=, max_priority=)`` map onto them as on amqp (``x-max-length``: the queue's default
-  ``max_size``; arguments lonnymq cannot honour are refused). Every client of the schema sweeps
-  what expired, at most every ``expire_interval`` (see :mod:`lonnymq.transport.sweep`).
+  max_length=, max_priority=, auto_delete=)`` map onto them as on amqp (``x-max-length``: the
+  queue's default ``max_size``; a priority above ``x-max-priority`` is taken as it; an
+  ``auto_delete`` queue goes when its last consumer, of any process, does; arguments lonnymq
+  cannot honour are refused). Every client of the schema sweeps what expired, at most every
+  ``expire_interval`` (see :mod:`lonnymq.transport.sweep`); a publish to a queue that went is
+  dropped rather than re-creating it.
+- Consumers are registered in the schema (:mod:`lonnymq.transport.registry`) when they start
+  and stop, and refreshed by the heartbeat thread every 5 s (never by a dequeue): who consumes
+  each queue shows in ``lonnymq web`` and ``lonnymq status``.
+- Celery: a task with an ``expires`` keeps no broker time to live, so the worker revokes it
+  when it expires (REVOKED), as on RabbitMQ and Redis.
 - Delivery: a consumer dequeues up to its free prefetch window across its queues in one round
   trip and locks the messages for ``visibility_timeout``; ack deletes; reject with requeue and
   the restore of unacked messages at shutdown unlock the same row; reject without requeue
