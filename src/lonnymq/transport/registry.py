@@ -199,8 +199,8 @@ class Registry:
             if queue not in self._told:
                 self._told.add(queue)
                 logger.warning(
-                    "lonnymq: queue %r is consumed here but does not exist any more (deleted "
-                    "while consumed: an auto_delete queue whose other consumers went, or an "
-                    "expiry); its messages go to a queue without its arguments: declare it again",
+                    "lonnymq: queue %r is consumed here but does not exist: never declared, "
+                    "or deleted while consumed (an auto_delete queue whose consumers were all "
+                    "presumed gone, an expiry); declare it (again) for its arguments to apply",
                     queue,
                 )
