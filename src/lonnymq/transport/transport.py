@@ -52,8 +52,21 @@ class Transport(virtual.Transport):
         exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )
-    connection_errors = (ConnectionLost, psycopg.OperationalError, OSError)  # type: ignore[assignment]
-    channel_errors = (LonnyMQError, psycopg.Error, ChannelError)  # type: ignore[assignment]
+    # kombu's own (amqp's ConnectionError, ChannelError) too: kombu raises them itself, as
+    # RecoverableConnectionError('channel disconnected') when a publish after a reconnect
+    # declares an entity bound to the channel the lost connection closed
+    connection_errors = (  # type: ignore[assignment]
+        *virtual.Transport.connection_errors,
+        ConnectionLost,
+        psycopg.OperationalError,
+        OSError,
+    )
+    channel_errors = (  # type: ignore[assignment]
+        *virtual.Transport.channel_errors,
+        LonnyMQError,
+        psycopg.Error,
+        ChannelError,
+    )
     recoverable_connection_errors = connection_errors
     recoverable_channel_errors = ()
 
