@@ -271,7 +271,7 @@ class Waiter(_Forkable):
             try:
                 result = run(conn, op)
             except LonnyMQError as exc:
-                logger.warning("lonnymq: LISTEN session failed (%s); reconnecting", exc)
+                logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
                 return None
             return result, self.notified(queues)
