@@ -42,6 +42,18 @@ def stamp(tag, sent):
     append("stamps", json.dumps([tag, sent, time.time()]))
 
 
+@app.task(name="t.get_from", shared=False)
+def get_from(queue, timeout):
+    # a consumer in a pool process (prefork: a child, after the fork)
+    with app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(queue)
+        message = simple.get(timeout=timeout)
+        got = time.time()
+        message.ack()
+        simple.close()
+    return got
+
+
 @app.task(name="t.retry_once", bind=True, shared=False)
 def retry_once(self, key):
     append(key, str(time.time()))
@@ -211,6 +223,19 @@ def test_revoke_then_its_task_is_revoked(env: tcw.Env, start: Callable[..., tcw.
         with pytest.raises(TaskRevokedError):
             result.get(timeout=10)
     assert not [tag for tag in stamps(env) if str(tag).startswith("revoked")], worker.log_tail()
+
+
+def test_consumer_in_a_prefork_child_wakes(env: tcw.Env, start: Callable[..., tcw.Worker]) -> None:
+    """A task in a prefork child consumes a queue (``SimpleQueue.get``, on a connection of
+    its own made after the fork) and is woken by a publish to it."""
+    worker = start()
+    result = env.task("get_from").delay("child_q", 20)
+    time.sleep(2.0)  # the child found nothing and sleeps
+    with env.app.connection_for_write() as conn:
+        conn.SimpleQueue("child_q").put("hello")
+        sent = time.time()
+    got = result.get(timeout=30)
+    assert got - sent < PICKUP_S, f"{(got - sent) * 1000:.1f} ms\n{worker.log_tail()}"
 
 
 def test_retry_and_rpc_round_trips_are_prompt(
