@@ -37,6 +37,7 @@ from lonnymq import ChannelBusy, Created, Outcome
 from lonnymq.metrics import DatabaseCollector
 from tests import invariants
 from tests.apps import close_app
+from tests.conftest import function_calls
 from tests.test_cli import cli
 from tests.test_plans import Recorder
 
@@ -386,14 +387,7 @@ def test_batch_is_one_call_for_its_creates(broker: lonnymq.Broker, connect: Conn
     first = dup_first.get()
     assert isinstance(first, Created) and dup_second.get() == lonnymq.Deduplicated(first.id)
     assert [type(p.get()).__name__ for p in small] == ["Created", "Created", "Dropped"]
-    conn.execute("SELECT pg_stat_force_next_flush()")
-    conn.execute("SELECT 1")
-    calls = dict(
-        conn.execute(
-            "SELECT funcname, calls FROM pg_stat_user_functions WHERE schemaname = %s",
-            (broker.schema,),
-        ).fetchall()
-    )
+    calls = function_calls(conn, broker.schema, lambda c: c.get("message_create_sized_v1") == 3)
     assert calls.get("message_create_many_v1") == 1
     assert calls.get("message_create_sized_v1") == 3  # only the limited channel's rows
     assert "message_create_v1" not in calls

@@ -50,7 +50,7 @@ class Channel(TopologyChannel):
         """Run a dequeue, ack, reject or release: with ``consumer_commit="async"`` it does not
         wait for the WAL flush (losing it in a database crash only means a redelivery).
         ``beside``: on the side connection (see ``Transport.side_pg``)."""
-        client = self.connection.side_pg if beside else self.connection.pg
+        client = self.connection.side_pg if beside else self.connection.consumer_pg
         return client.run(self.connection.consumer_op(op))
 
     def _finalize(

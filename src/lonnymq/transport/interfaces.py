@@ -80,6 +80,10 @@ class TransportLike(Protocol):
         """The command connection."""
 
     @property
+    def consumer_pg(self) -> PgClient:
+        """The connection of the consumer's dequeues, acks and releases (``listen_dsn``)."""
+
+    @property
     def side_pg(self) -> PgClient:
         """The side command connection, for acks sent beside the consumer."""
 

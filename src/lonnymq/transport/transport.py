@@ -79,9 +79,34 @@ class Transport(virtual.Transport):
         self._policies_applied = False
         self.acks = AckBuffer()
         self._side_pg: PgClient | None = None
+        self._consumer_pg: PgClient | None = None
         if not self.options.event_loop:  # Celery then drives the consumer by drain_events
             self.implements = type(self).implements.extend(asynchronous=False)
         self._looper: LoopConsumer | None = None  # while registered with an event loop
+
+    @property
+    def consumer_pg(self) -> PgClient:
+        """The connection of the consumer's dequeues, acks and releases: the command
+        connection, or with ``listen_dsn`` (and LISTEN on) one to it, opened on first use: a
+        dequeue that finds nothing marks its session as waiting for a NOTIFY, which a
+        transaction pooler would lend to another client."""
+        if not self.options.listen_dsn or not self.options.use_listen:
+            return self.pg
+        if self._consumer_pg is None:
+            self._consumer_pg = PgClient(
+                self.listen_conninfo,
+                schema=self.options.schema,
+                connect_timeout=self.options.connect_timeout,
+                auto_install=self.options.auto_install,
+            )
+        return self._consumer_pg
+
+    @property
+    def listen_conninfo(self) -> str:
+        """Where the consumer's LISTEN connection goes: ``listen_dsn``, else the broker URL."""
+        if self.options.listen_dsn:
+            return url.to_conninfo(self.options.listen_dsn)
+        return self.conninfo
 
     @property
     def side_pg(self) -> PgClient:
@@ -123,7 +148,7 @@ class Transport(virtual.Transport):
         their lock expires. Works when their kombu channel is already closed."""
         schema = self.options.schema
         for ref in held:
-            self.pg.run(self.consumer_op(defer_op(schema, ref[0], ref[1], delay_ms=None)))
+            self.consumer_pg.run(self.consumer_op(defer_op(schema, ref[0], ref[1], delay_ms=None)))
 
     def send_acks(self, acks: list[Ack]) -> None:
         """Delete the buffered ``acks``. When that fails, they go back to the buffer (or to
@@ -136,7 +161,7 @@ class Transport(virtual.Transport):
         """Run ``op``, which carries ``acks``: tell their threads once it is done, or put
         them back for the next round trip when it fails."""
         try:
-            result = self.pg.run(self.consumer_op(op))
+            result = self.consumer_pg.run(self.consumer_op(op))
         except BaseException:
             self.acks.put_back(acks)
             raise
@@ -210,9 +235,10 @@ class Transport(virtual.Transport):
             if self._waiter is not None:
                 self._waiter.dispose()
                 self._waiter = None
-            if self._side_pg is not None:
-                self._side_pg.close()
-                self._side_pg = None
+            for side in (self._side_pg, self._consumer_pg):
+                if side is not None:
+                    side.close()
+            self._side_pg = self._consumer_pg = None
             self.pg.close()
 
     @property
@@ -257,7 +283,7 @@ class Transport(virtual.Transport):
     def waiter(self) -> Waiter:
         if self._waiter is None:
             self._waiter = Waiter(
-                self.conninfo,
+                self.listen_conninfo,
                 wake_channel(self.options.schema),
                 self.options.connect_timeout,
                 listen=self.options.use_listen,
