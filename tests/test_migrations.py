@@ -5,20 +5,24 @@ nothing depends on search_path."""
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from kombu.connection import Connection
 from psycopg import sql
 
 import lonnymq
 from lonnymq import CURRENT_VERSION, Outcome, migrator
 from lonnymq._compat import LiteralString
+from lonnymq.testing import TempPostgres
 from tests import invariants
 from tests.conftest import function_calls
 
@@ -335,6 +339,40 @@ def test_concurrent_installs_apply_once(schema: str, connect: Callable[..., Conn
     assert migration_rows(conns[0], schema) == [
         (int(name[:4]), name[5:]) for name, _ in lonnymq.migrations(schema)
     ]
+
+
+# --- 2b. a server older than lonnymq supports ---------------------------------------------------
+
+
+@pytest.fixture
+def old_server() -> Iterator[TempPostgres]:
+    """A throwaway Postgres 11 ($LONNYMQ_TEST_OLD_PG_BINDIR: .ci/postgres-binaries 11)."""
+    bindir = os.environ.get("LONNYMQ_TEST_OLD_PG_BINDIR")
+    if not bindir:
+        if os.environ.get("CI"):
+            pytest.fail("LONNYMQ_TEST_OLD_PG_BINDIR is not set (.ci/run sets it)")
+        pytest.skip("set LONNYMQ_TEST_OLD_PG_BINDIR=$(.ci/postgres-binaries 11)")
+    server = TempPostgres(bindir=Path(bindir)).init().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.mark.slow
+def test_install_refuses_a_server_older_than_13(old_server: TempPostgres) -> None:
+    """On Postgres 11, install (and so a transport's first use) refuses with a typed error
+    that says what is needed, before it writes anything."""
+    with psycopg.connect(old_server.dsn(), autocommit=True) as conn:
+        assert conn.info.server_version // 10000 == 11
+        with pytest.raises(lonnymq.UnsupportedServer, match=r"PostgreSQL 11\.\d+ is not") as err:
+            lonnymq.install(conn)
+        assert "13 or newer" in str(err.value) and err.value.oldest == 13
+        assert not schema_exists(conn, "lonnymq")
+        url = "lonnymq://" + old_server.dsn().split("://", 1)[1]
+        with Connection(url) as kombu, pytest.raises(lonnymq.UnsupportedServer):  # type: ignore[no-untyped-call]
+            kombu.SimpleQueue("jobs").put({"x": 1})
+        assert not schema_exists(conn, "lonnymq")
 
 
 # --- 3. a schema from a newer lonnymq ----------------------------------------------------------

@@ -35,6 +35,16 @@ import lonnymq
 import lonnymq.celery
 from tests.apps import close_app
 from tests.conftest import free_port, lonnymq_url
+from tests.test_celery_worker import (
+    WHEN_TASK,
+    Worker,
+    _stop,
+    app_env,
+    launch,
+    ran_at,
+    wait_for,
+    worker_args,
+)
 
 Conn = psycopg.Connection[Any]
 
@@ -386,3 +396,63 @@ def test_a_polling_consumer_works_through_transaction_pooling(
 def test_listen_dsn_is_validated(kombu: Callable[..., Connection], url: str) -> None:
     with pytest.raises(lonnymq.ConfigurationError, match="listen_dsn"):
         kombu(url, listen_dsn="mysql://nope").connect()
+
+
+# --- a Celery worker ----------------------------------------------------------------------------
+
+
+def _worker_app(pg_dsn: str, **options: Any) -> str:
+    """App source (``make_env``'s ``extra_source``): ``t.when``, and transport options."""
+    lines = [WHEN_TASK, "app.conf.broker_transport_options['polling_interval'] = 30"]
+    # Remote control off: a worker consuming its pidbox too is, on schema version 8, woken
+    # late by a task (directly too: its pidbox dequeue ends the task queue's wait), which
+    # the wake-up rework of the next schema version fixes; this test is about PgBouncer.
+    lines.append("app.conf.worker_enable_remote_control = False")
+    lines += [f"app.conf.broker_transport_options[{k!r}] = {v!r}" for k, v in options.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.slow
+def test_an_idle_celery_worker_through_transaction_pooling_wakes_at_once_with_listen_dsn(
+    tmp_path: Path, pgbouncer: Callable[..., Bouncer], pg_dsn: str, schema: str
+) -> None:
+    """A worker whose broker URL is PgBouncer's and listen_dsn direct runs a ``delay()``
+    made through PgBouncer within milliseconds, idle as it was (its fallback poll is 30 s)."""
+    bouncer = pgbouncer()
+    started: list[Worker] = []
+    with app_env(tmp_path, bouncer.dsn(), schema, _worker_app(pg_dsn, listen_dsn=pg_dsn)) as env:
+        try:
+            worker = launch(
+                env.dir, env.module, "wb", worker_args("wb", "celery", "-P", "solo"), started
+            )
+            for i in range(3):
+                time.sleep(1.0)  # idle
+                sent = time.time()
+                env.task("when").delay(str(i))
+                wait_for(lambda i=i: str(i) in ran_at(env), 10, f"task {i}", worker)
+                assert ran_at(env)[str(i)] - sent < FAST, worker.log_tail()
+        finally:
+            for w in started:
+                _stop(w)
+
+
+@pytest.mark.slow
+def test_a_celery_worker_through_transaction_pooling_without_listen_dsn_stops_at_start(
+    tmp_path: Path, pgbouncer: Callable[..., Bouncer], pg_dsn: str, schema: str
+) -> None:
+    """Without listen_dsn, the worker does not start consuming in silence: it stops, and its
+    log says why and what to set."""
+    bouncer = pgbouncer()
+    started: list[Worker] = []
+    with app_env(tmp_path, bouncer.dsn(), schema, _worker_app(pg_dsn)) as env:
+        try:
+            worker = launch(
+                env.dir, env.module, "wn", worker_args("wn", "celery", "-P", "solo"), started
+            )
+            wait_for(lambda: not worker.alive(), 30, "the worker to stop", worker)
+            log = worker.log_tail(200)
+            assert "ListenUnavailable" in log and "listen_dsn" in log, log
+            assert worker.proc.returncode != 0
+        finally:
+            for w in started:
+                _stop(w)

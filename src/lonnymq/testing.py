@@ -134,8 +134,9 @@ class TempPostgres:
         settings: dict[str, str] | None = None,
         env: str = "DATABASE_URL",
         version: int | None = None,
+        bindir: Path | None = None,
     ) -> None:
-        self.bindir = find_bindir(env, version=version)
+        self.bindir = bindir or find_bindir(env, version=version)
         self.root = Path(tempfile.mkdtemp(prefix="lonnymq-pg-"))
         self.data = self.root / "data"
         self.port = port or free_port()
