@@ -37,6 +37,7 @@ from tests.apps import close_app
 from tests.conftest import free_port, lonnymq_url
 from tests.test_celery_worker import (
     WHEN_TASK,
+    Env,
     Worker,
     _stop,
     app_env,
@@ -412,6 +413,10 @@ def _worker_app(pg_dsn: str, **options: Any) -> str:
     return "\n".join(lines) + "\n"
 
 
+def has_run(env: Env, tag: str) -> Callable[[], bool]:
+    return lambda: tag in ran_at(env)
+
+
 @pytest.mark.slow
 def test_an_idle_celery_worker_through_transaction_pooling_wakes_at_once_with_listen_dsn(
     tmp_path: Path, pgbouncer: Callable[..., Bouncer], pg_dsn: str, schema: str
@@ -425,12 +430,12 @@ def test_an_idle_celery_worker_through_transaction_pooling_wakes_at_once_with_li
             worker = launch(
                 env.dir, env.module, "wb", worker_args("wb", "celery", "-P", "solo"), started
             )
-            for i in range(3):
+            for tag in ("a", "b", "c"):
                 time.sleep(1.0)  # idle
                 sent = time.time()
-                env.task("when").delay(str(i))
-                wait_for(lambda i=i: str(i) in ran_at(env), 10, f"task {i}", worker)
-                assert ran_at(env)[str(i)] - sent < FAST, worker.log_tail()
+                env.task("when").delay(tag)
+                wait_for(has_run(env, tag), 10, f"task {tag}", worker)
+                assert ran_at(env)[tag] - sent < FAST, worker.log_tail()
         finally:
             for w in started:
                 _stop(w)
