@@ -165,6 +165,7 @@ class Traffic:
         assert p99(self.dequeue_latency) < P99_MS, p99(self.dequeue_latency)
 
 
+@pytest.mark.slow
 def test_open_producer_transaction_blocks_no_other_producer_or_consumer(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -192,6 +193,7 @@ def test_open_producer_transaction_blocks_no_other_producer_or_consumer(
     invariants.assert_consistent(connect(), broker.schema)
 
 
+@pytest.mark.slow
 def test_open_kombu_and_celery_transactions_block_no_one(
     broker: lonnymq.Broker, connect: Connect, pg_dsn: str
 ) -> None:
@@ -234,6 +236,7 @@ def test_open_kombu_and_celery_transactions_block_no_one(
     close_app(app)
 
 
+@pytest.mark.slow
 def test_limited_channel_producers_take_turns_and_fail_fast(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -286,6 +289,7 @@ def test_max_concurrency_channel_with_an_open_producer_blocks_no_one(
     assert [m.content for m in queue.dequeue(other, lock_ms=60_000).messages] == [b"open"]
 
 
+@pytest.mark.slow
 def test_eight_producers_and_eight_consumers_on_one_channel(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -552,6 +556,7 @@ def _empty_cycle_buffers(queue: lonnymq.Queue, conn: Conn, recorder: Recorder) -
     return sum(p.buffers for p in tops)
 
 
+@pytest.mark.slow
 def test_a_held_snapshot_does_not_slow_a_channel_that_empties_all_the_time(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -587,6 +592,7 @@ def test_a_held_snapshot_does_not_slow_a_channel_that_empties_all_the_time(
     invariants.assert_consistent(conn, broker.schema)
 
 
+@pytest.mark.slow
 def test_status_and_metrics_name_the_session_that_holds_a_snapshot(
     broker: lonnymq.Broker, connect: Connect, pg_dsn: str
 ) -> None:

@@ -309,6 +309,7 @@ def test_a_connection_that_prepares_through_transaction_pooling_gets_told_what_t
 # --- consumers --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_idle_consumer_through_transaction_pooling_refuses_to_start(
     pgbouncer: Callable[..., Bouncer], kombu: Callable[..., Connection]
 ) -> None:
@@ -392,11 +393,6 @@ def test_a_polling_consumer_works_through_transaction_pooling(
         jobs.close()
         outbox.close()
     assert sorted(seen) == list(range(10))
-
-
-def test_listen_dsn_is_validated(kombu: Callable[..., Connection], url: str) -> None:
-    with pytest.raises(lonnymq.ConfigurationError, match="listen_dsn"):
-        kombu(url, listen_dsn="mysql://nope").connect()
 
 
 # --- a Celery worker ----------------------------------------------------------------------------
