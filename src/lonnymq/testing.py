@@ -158,9 +158,11 @@ class TempPostgres:
             shutil.chown(self.root, self.user)
 
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [str(self.bindir / args[0]), *args[1:]]
+        return self._run_as_user(str(self.bindir / args[0]), *args[1:])
+
+    def _run_as_user(self, *cmd: str) -> subprocess.CompletedProcess[str]:
         if self.user:
-            cmd = ["runuser", "-u", self.user, "--", *cmd]
+            cmd = ("runuser", "-u", self.user, "--", *cmd)
         return subprocess.run(cmd, capture_output=True, text=True, cwd=self.root)
 
     def _check(self, result: subprocess.CompletedProcess[str], what: str) -> None:
@@ -170,6 +172,12 @@ class TempPostgres:
             raise RuntimeError(f"{what} failed: {result.stdout}{result.stderr}\n{tail}")
 
     def init(self) -> TempPostgres:
+        if self.user and self._run_as_user("test", "-x", str(self.bindir / "initdb")).returncode:
+            raise RuntimeError(
+                f"the {self.user} user (Postgres does not run as root) cannot run the server "
+                f"binaries in {self.bindir}: a directory above them is closed to it (tox makes "
+                "its .tox 0700: chmod o+x .tox)"
+            )
         self._check(
             self._run(
                 "initdb",
