@@ -195,6 +195,22 @@ def wake_ups(consumer: Connection, producer: Connection, queue: str, n: int = 3)
         outbox.close()
 
 
+def consume(connection: Connection, queue: str, n: int) -> list[Any]:
+    """``n`` messages' ``i`` from ``queue`` (acked), then nothing more within half a second."""
+    inbox = connection.SimpleQueue(queue)
+    try:
+        seen = []
+        for _ in range(n):
+            message = inbox.get(timeout=5)
+            seen.append(message.payload["i"])
+            message.ack()
+        with pytest.raises(Empty):
+            inbox.get(timeout=0.5)
+        return seen
+    finally:
+        inbox.close()
+
+
 def waiting(broker: lonnymq.Broker, conn: Conn, queue: str) -> int:
     return broker.queue(queue).stats(conn).waiting
 
@@ -220,14 +236,7 @@ def test_kombu_publishes_through_transaction_pooling(
         jobs.close()
     assert waiting(broker, conn, "jobs") == 50
     with kombu(url) as consumer:
-        jobs = consumer.SimpleQueue("jobs")
-        seen = []
-        for _ in range(50):
-            message = jobs.get(timeout=5)
-            seen.append(message.payload["i"])
-            message.ack()
-        jobs.close()
-    assert sorted(seen) == list(range(50))
+        assert sorted(consume(consumer, "jobs", 50)) == list(range(50))
 
 
 def test_celery_delay_through_transaction_pooling(
@@ -379,20 +388,11 @@ def test_a_polling_consumer_works_through_transaction_pooling(
     """With use_listen=False the consumer polls (every polling_interval), as documented."""
     bouncer = pgbouncer()
     with kombu(bouncer.url(), use_listen=False, polling_interval=0.2) as consumer:
-        producer = kombu(bouncer.url())
-        jobs, outbox = consumer.SimpleQueue("jobs"), producer.SimpleQueue("jobs")
+        outbox = kombu(bouncer.url()).SimpleQueue("jobs")
         for i in range(10):
             outbox.put({"i": i})
-        seen = []
-        for _ in range(10):
-            message = jobs.get(timeout=5)
-            seen.append(message.payload["i"])
-            message.ack()
-        with pytest.raises(Empty):
-            jobs.get(timeout=0.5)
-        jobs.close()
         outbox.close()
-    assert sorted(seen) == list(range(10))
+        assert sorted(consume(consumer, "jobs", 10)) == list(range(10))
 
 
 # --- a Celery worker ----------------------------------------------------------------------------

@@ -64,12 +64,7 @@ class Transport(virtual.Transport):
         )
         self.polling_interval = self.options.polling_interval
         self.conninfo = url.client_conninfo(client)
-        self.pg = PgClient(
-            self.conninfo,
-            schema=self.options.schema,
-            connect_timeout=self.options.connect_timeout,
-            auto_install=self.options.auto_install,
-        )
+        self.pg = self._client(self.conninfo)
         self.exchange_types: dict[str, str] = {}
         #: x-expires (ms) of the queues this process declared: how often consumers touch them
         self.queue_expires: dict[str, int | None] = {}
@@ -93,12 +88,7 @@ class Transport(virtual.Transport):
         if not self.options.listen_dsn or not self.options.use_listen:
             return self.pg
         if self._consumer_pg is None:
-            self._consumer_pg = PgClient(
-                self.listen_conninfo,
-                schema=self.options.schema,
-                connect_timeout=self.options.connect_timeout,
-                auto_install=self.options.auto_install,
-            )
+            self._consumer_pg = self._client(self.listen_conninfo)
         return self._consumer_pg
 
     @property
@@ -113,13 +103,16 @@ class Transport(virtual.Transport):
         """A second command connection, opened on first use: for the acks that threads other
         than the consumer's send themselves while the consumer drains (see :mod:`.acks`)."""
         if self._side_pg is None:
-            self._side_pg = PgClient(
-                self.conninfo,
-                schema=self.options.schema,
-                connect_timeout=self.options.connect_timeout,
-                auto_install=self.options.auto_install,
-            )
+            self._side_pg = self._client(self.conninfo)
         return self._side_pg
+
+    def _client(self, conninfo: str) -> PgClient:
+        return PgClient(
+            conninfo,
+            schema=self.options.schema,
+            connect_timeout=self.options.connect_timeout,
+            auto_install=self.options.auto_install,
+        )
 
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
