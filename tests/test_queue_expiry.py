@@ -268,6 +268,7 @@ def app(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[App]:
         made.stop()
 
 
+@pytest.mark.slow
 def test_rpc_reply_queue_of_a_client_that_went_away_expires_with_its_results(
     app: App, conn: Conn, schema: str
 ) -> None:
@@ -285,6 +286,7 @@ def test_rpc_reply_queue_of_a_client_that_went_away_expires_with_its_results(
     assert messages_of(conn, schema, reply) == 0
 
 
+@pytest.mark.slow
 def test_pidbox_queue_of_a_killed_worker_is_swept_by_a_producer(
     app: App, pg_dsn: str, conn: Conn, schema: str
 ) -> None:
@@ -357,6 +359,7 @@ def run_consumer(
         proc.communicate(timeout=10)
 
 
+@pytest.mark.slow
 def test_queue_of_an_exited_consumer_is_swept_by_a_producer(
     run_consumer: Callable[[str], subprocess.Popen[bytes]],
     make_connection: Callable[..., Connection],
@@ -382,6 +385,7 @@ def test_queue_of_an_exited_consumer_is_swept_by_a_producer(
         assert messages_of(conn, schema, "gone") == 0
 
 
+@pytest.mark.slow
 def test_status_shows_queues_past_their_expiry_and_housekeep_removes_them(
     run_consumer: Callable[[str], subprocess.Popen[bytes]],
     pg_dsn: str,
@@ -427,6 +431,7 @@ def test_status_shows_queues_past_their_expiry_and_housekeep_removes_them(
     assert "past their x-expires" not in again.stdout
 
 
+@pytest.mark.slow
 def test_a_live_consumer_keeps_its_expiring_queue(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:

@@ -30,6 +30,7 @@ from .exceptions import (
     DatabaseError,
     InvalidArgument,
     InvalidName,
+    ListenUnavailable,
     LonnyMQError,
     MessageLocked,
     MessageNotFound,
@@ -38,6 +39,7 @@ from .exceptions import (
     SchemaError,
     SchemaNotInstalled,
     SchemaTooNew,
+    UnsupportedServer,
 )
 from .migrator import CURRENT_VERSION, DEFAULT_SCHEMA, migrations
 from .queue import (
@@ -104,6 +106,7 @@ __all__ = [
     "Dropped",
     "InvalidArgument",
     "InvalidName",
+    "ListenUnavailable",
     "LonnyMQError",
     "Message",
     "MessageLocked",
@@ -119,6 +122,7 @@ __all__ = [
     "SchemaError",
     "SchemaNotInstalled",
     "SchemaTooNew",
+    "UnsupportedServer",
     "grant",
     "install",
     "migrations",

@@ -79,12 +79,7 @@ class Transport(virtual.Transport):
         )
         self.polling_interval = self.options.polling_interval
         self.conninfo = url.client_conninfo(client)
-        self.pg = PgClient(
-            self.conninfo,
-            schema=self.options.schema,
-            connect_timeout=self.options.connect_timeout,
-            auto_install=self.options.auto_install,
-        )
+        self.pg = self._client(self.conninfo)
         self.exchange_types: dict[str, str] = {}
         #: x-expires (ms) of the queues this process declared: how often consumers touch them
         self.queue_expires: dict[str, int | None] = {}
@@ -101,17 +96,29 @@ class Transport(virtual.Transport):
         self._looper: LoopConsumer | None = None  # while registered with an event loop
 
     @property
+    def listen_conninfo(self) -> str:
+        """Where the consumer's LISTEN connection goes (where it also sleeps, see
+        :mod:`.sleep`): ``listen_dsn``, else the broker URL. Its dequeues hold no state of
+        their session and go through the broker URL, a pooler too."""
+        if self.options.listen_dsn:
+            return url.to_conninfo(self.options.listen_dsn)
+        return self.conninfo
+
+    @property
     def side_pg(self) -> PgClient:
         """A second command connection, opened on first use: for the acks that threads other
         than the consumer's send themselves while the consumer drains (see :mod:`.acks`)."""
         if self._side_pg is None:
-            self._side_pg = PgClient(
-                self.conninfo,
-                schema=self.options.schema,
-                connect_timeout=self.options.connect_timeout,
-                auto_install=self.options.auto_install,
-            )
+            self._side_pg = self._client(self.conninfo)
         return self._side_pg
+
+    def _client(self, conninfo: str) -> PgClient:
+        return PgClient(
+            conninfo,
+            schema=self.options.schema,
+            connect_timeout=self.options.connect_timeout,
+            auto_install=self.options.auto_install,
+        )
 
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
@@ -357,7 +364,7 @@ class Transport(virtual.Transport):
     def waiter(self) -> Waiter:
         if self._waiter is None:
             self._waiter = Waiter(
-                self.conninfo,
+                self.listen_conninfo,
                 wake_channel(self.options.schema),
                 self.options.connect_timeout,
                 listen=self.options.use_listen,
