@@ -443,9 +443,9 @@ def test_a_celery_worker_through_transaction_pooling_without_listen_dsn_stops_at
     started: list[Worker] = []
     with app_env(tmp_path, bouncer.dsn(), schema, _worker_app(pg_dsn)) as env:
         try:
-            worker = launch(
-                env.dir, env.module, "wn", worker_args("wn", "celery", "-P", "solo"), started
-            )
+            # (it stops before it is ready: mingle's first wait for replies is on LISTEN)
+            args = worker_args("wn", "celery", "-P", "solo")
+            worker = launch(env.dir, env.module, "wn", args, started, ready="")
             wait_for(lambda: not worker.alive(), 30, "the worker to stop", worker)
             log = worker.log_tail(200)
             assert "ListenUnavailable" in log and "listen_dsn" in log, log
