@@ -55,6 +55,9 @@ from psycopg import sql
 
 import lonnymq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_wakeup import WakeupScenarios
+
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
 PG_DSN = os.environ.get("LONNYMQ_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -72,8 +75,12 @@ BODY_BYTES = 300
 ALL_BROKERS = ("lonnymq", "rabbitmq", "redis", "sqla", "pgmq", "lonnymq_blocking")
 #: lonnymq with event_loop=False (Celery's blocking loop): an A/B of the event loop, not in
 #: the default run
-SCENARIOS = ("publish", "consume", "latency", "celery", "scale", "churn")
-DEFAULT_SCENARIOS = ("publish", "consume", "latency", "celery", "scale")
+SCENARIOS = (
+    "publish", "consume", "latency", "celery", "pickup", "roundtrip", "wakeup", "scale", "churn"
+)  # fmt: skip
+DEFAULT_SCENARIOS = (
+    "publish", "consume", "latency", "celery", "pickup", "roundtrip", "wakeup", "scale"
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -599,7 +606,9 @@ class Results:
 # The benchmark
 
 
-class Bench:
+class Bench(WakeupScenarios):
+    """The scenarios (those of idle wake-ups in :mod:`bench_wakeup`)."""
+
     def __init__(self, args: argparse.Namespace, brokers: list[BrokerSpec]) -> None:
         self.args = args
         self.quick: bool = args.quick
@@ -1486,6 +1495,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="during the churn, hold a snapshot (a session idle in a REPEATABLE READ "
         "transaction) for the middle half of the run",
     )
+    p.add_argument(
+        "--pickup-gap",
+        type=float,
+        default=0.5,
+        help="seconds between the tasks of the pickup scenario (default 0.5)",
+    )
+    p.add_argument(
+        "--pickup-idle",
+        type=float,
+        default=5.0,
+        help="seconds a worker stays idle before the pickup scenario's tasks (default 5)",
+    )
     p.add_argument("--output", type=Path, default=RESULTS_DIR / "brokers.json")
     p.add_argument("--chart", type=Path, default=RESULTS_DIR / "brokers.png")
     args = p.parse_args(argv)
@@ -1524,6 +1545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.cleanup()
     total_s = time.perf_counter() - started
     broker_names = [b.name for b in brokers]
+    if any(s.broker == "floor" for s in bench.results.series.values()):
+        broker_names.append("floor")  # Postgres itself, for the same work (see bench_wakeup)
     table = print_table(bench.results, broker_names)
     print(f"\ntotal {total_s:.0f}s; load at end {os.getloadavg()}")
     report = {

@@ -6,6 +6,7 @@ lonnymq.grant) closed after the test; and the small helpers the test modules sha
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 import uuid
@@ -20,15 +21,55 @@ from psycopg.conninfo import conninfo_to_dict
 
 import lonnymq
 from lonnymq.queue import QueueStatus
-from lonnymq.testing import database
+from lonnymq.testing import NoServerBinaries, database, find_bindir
 
 Conn = psycopg.Connection[Any]
 
 
+def wanted_version() -> int | None:
+    """The Postgres major version the suite must run on ($LONNYMQ_TEST_PG_VERSION), if any."""
+    value = os.environ.get("LONNYMQ_TEST_PG_VERSION", "").strip()
+    if value and not value.isdigit():
+        raise pytest.UsageError(f"LONNYMQ_TEST_PG_VERSION must be a major version, not {value!r}")
+    return int(value) if value else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """With $LONNYMQ_TEST_PG_VERSION and no $LONNYMQ_TEST_DSN, every throwaway server of the
+    run (the suite's, and those tests start themselves) is of that version."""
+    wanted = wanted_version()
+    if wanted is not None and not os.environ.get("LONNYMQ_TEST_DSN"):
+        try:
+            bindir = find_bindir("LONNYMQ_TEST_DSN", version=wanted)
+        except NoServerBinaries as exc:
+            raise pytest.UsageError(str(exc)) from None
+        os.environ["LONNYMQ_PG_BINDIR"] = str(bindir)
+
+
+_SERVER: list[str] = []  # the server the session ran on, for the summary
+
+
 @pytest.fixture(scope="session")
 def pg_dsn() -> Iterator[str]:
+    """The test database: $LONNYMQ_TEST_DSN, else a throwaway server (see pytest_configure).
+    The session stops at once when it is not of $LONNYMQ_TEST_PG_VERSION."""
     with database("LONNYMQ_TEST_DSN") as dsn:
+        with psycopg.connect(dsn) as c:
+            number, text = c.info.server_version, c.info.parameter_status("server_version")
+        wanted = wanted_version()
+        if wanted is not None and number // 10000 != wanted:
+            pytest.exit(
+                f"LONNYMQ_TEST_PG_VERSION={wanted}, but the test database runs Postgres {text}",
+                returncode=4,
+            )
+        where = "$LONNYMQ_TEST_DSN" if os.environ.get("LONNYMQ_TEST_DSN") else "a throwaway server"
+        _SERVER.append(f"PostgreSQL {text} ({where})")
         yield dsn
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for server in _SERVER:
+        terminalreporter.write_line(f"lonnymq tests ran on {server}")
 
 
 @pytest.fixture(scope="session")
@@ -211,6 +252,26 @@ def status_of(broker: lonnymq.Broker, conn: Conn, queue: str) -> QueueStatus:
     found = [s for s in broker.status(conn) if s.queue == queue]
     assert len(found) == 1, [s.queue for s in broker.status(conn)]
     return found[0]
+
+
+def function_calls(
+    conn: Conn, schema: str, settled: Callable[[dict[str, int]], bool] = bool
+) -> dict[str, int]:
+    """Calls of ``schema``'s functions counted by Postgres (``track_functions``), this
+    session's own included: flushed at once from Postgres 15 on; before 15 the statistics
+    collector has them within a second or so, so this waits (10 s at most) for ``settled``."""
+    query = "SELECT funcname, calls FROM pg_stat_user_functions WHERE schemaname = %s"
+    if conn.info.server_version >= 150000:
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.execute("SELECT 1")  # the flush happens when the session goes idle
+        return dict(conn.execute(query, (schema,)).fetchall())
+    deadline = time.monotonic() + 10
+    while True:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        calls: dict[str, int] = dict(conn.execute(query, (schema,)).fetchall())
+        if settled(calls) or time.monotonic() > deadline:
+            return calls
+        time.sleep(0.2)
 
 
 def free_port() -> int:

@@ -372,6 +372,13 @@ CASES = [
     ),
     Case("opt-listen-int", kombu_options(use_listen=1), ConfigurationError, "use_listen"),
     Case(
+        "opt-listen-dsn-scheme",
+        kombu_options(listen_dsn="mysql://u@db/app"),
+        ConfigurationError,
+        "listen_dsn: unsupported URL scheme 'mysql'",
+    ),
+    Case("opt-listen-dsn-int", kombu_options(listen_dsn=5432), ConfigurationError, "listen_dsn"),
+    Case(
         "opt-auto-install-str", kombu_options(auto_install="no"), ConfigurationError, "auto_install"
     ),
     Case(

@@ -18,6 +18,9 @@ from psycopg import sql
 import lonnymq
 from tests.conftest import lonnymq_url
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 

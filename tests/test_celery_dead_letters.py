@@ -38,6 +38,9 @@ from tests import test_celery_worker as tcw
 from tests.conftest import free_port
 from tests.test_celery_worker import Env, Worker, app_env, stats, wait_for
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 workers = tcw.workers

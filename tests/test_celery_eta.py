@@ -23,6 +23,9 @@ import pytest
 from tests import test_celery_worker as tcw
 from tests.test_celery_worker import WHEN_TASK, Conn, Env, Worker, app_env, ran_at, stats, wait_for
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 workers = tcw.workers
 
 NEW_YORK = ZoneInfo("America/New_York")

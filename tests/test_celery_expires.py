@@ -21,6 +21,7 @@ from tests import test_celery_worker
 from tests.test_celery_worker import Env, Worker
 
 Conn = psycopg.Connection[Any]
+pytestmark = pytest.mark.slow
 
 # the fixtures of tests/test_celery_worker.py: its app module, and its worker processes
 env = test_celery_worker.env

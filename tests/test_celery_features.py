@@ -33,6 +33,9 @@ import lonnymq
 from tests.apps import close_app
 from tests.test_celery_worker import Env, Worker, _stop, launch, wait_for, worker_args
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 APP = r'''

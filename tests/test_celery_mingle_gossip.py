@@ -28,6 +28,9 @@ from tests.apps import close_app
 from tests.conftest import lonnymq_url
 from tests.test_celery_worker import Env, Worker, _stop, app_env, launch, node_of, wait_for
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 GOSSIP_WATCH = r'''

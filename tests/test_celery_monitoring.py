@@ -22,6 +22,9 @@ from tests import test_celery_worker as tcw
 from tests.conftest import free_port
 from tests.test_celery_worker import Env, Worker, _stop, launch, wait_for
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 env = tcw.env
 workers = tcw.workers
 

@@ -37,6 +37,9 @@ import lonnymq
 from tests.apps import close_app
 from tests.conftest import lonnymq_url
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 APP = r'''

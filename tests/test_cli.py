@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 import psycopg
+import pytest
 
 import lonnymq
 from tests.conftest import lonnymq_url
@@ -46,6 +47,7 @@ def test_migrate_then_up_to_date(pg_dsn: str, schema: str, conn: Conn) -> None:
     assert "up to date" in cli("migrate", "--dsn", pg_dsn, "--schema", schema, "--print-sql").stdout
 
 
+@pytest.mark.slow
 def test_policy_and_stats(pg_dsn: str, schema: str, conn: Conn) -> None:
     lonnymq.install(conn, schema)
     queue = lonnymq.Broker(schema).queue("jobs")
@@ -76,6 +78,7 @@ def test_policy_and_stats(pg_dsn: str, schema: str, conn: Conn) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_errors_are_clear(pg_dsn: str, schema: str) -> None:
     no_dsn = cli("migrate", "--schema", schema)
     assert no_dsn.returncode != 0 and "DATABASE_URL" in no_dsn.stderr

@@ -30,6 +30,9 @@ import lonnymq
 from lonnymq.queue import QueueSettings, QueueStatus
 from tests.conftest import created, free_port, lonnymq_url
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 Proc = subprocess.CompletedProcess[str]
 

@@ -272,7 +272,7 @@ class Sampler:
 # 1. max_concurrency under 8 concurrent consumers
 
 
-@pytest.mark.parametrize("workers", ["threads", "processes"])
+@pytest.mark.parametrize("workers", ["threads", pytest.param("processes", marks=pytest.mark.slow)])
 def test_max_concurrency_holds_under_concurrent_consumers(
     workers: str, broker: lonnymq.Broker, connect: Connect, pg_dsn: str
 ) -> None:
@@ -407,7 +407,9 @@ def test_waiting_dequeue_does_not_deadlock_with_batch(
 # 2. Exactly once with many consumers and producers, exact counters
 
 
-@pytest.mark.parametrize(("channels", "per_producer"), [(1, 400), (40, 1200)])
+@pytest.mark.parametrize(
+    ("channels", "per_producer"), [(1, 400), pytest.param(40, 1200, marks=pytest.mark.slow)]
+)
 def test_exactly_once_and_exact_counters(
     channels: int, per_producer: int, broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -607,7 +609,7 @@ def test_concurrent_batches_do_not_deadlock(broker: lonnymq.Broker, connect: Con
 # 5. Concurrent installs
 
 
-@pytest.mark.parametrize("workers", ["threads", "processes"])
+@pytest.mark.parametrize("workers", ["threads", pytest.param("processes", marks=pytest.mark.slow)])
 def test_concurrent_installs(workers: str, schema: str, connect: Connect, pg_dsn: str) -> None:
     """8 threads or 8 spawned processes install the same fresh schema at once."""
     n = 8

@@ -226,6 +226,7 @@ def test_an_auto_delete_queue_goes_when_its_consumers_process_exits(
     assert queue_row(conn, schema, "ad-exit") is None
 
 
+@pytest.mark.slow  # a killed consumer is presumed gone after 15 s
 def test_an_auto_delete_queue_goes_when_its_consumers_process_is_killed(
     consumer_process: Callable[[str, str], subprocess.Popen[str]],
     conn: Conn,
@@ -256,6 +257,7 @@ def test_an_auto_delete_queue_goes_when_its_consumers_process_is_killed(
     assert broker.consumers(conn) == []
 
 
+@pytest.mark.slow  # 20 s of a consumer's life
 def test_a_live_consumer_is_not_presumed_gone(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:

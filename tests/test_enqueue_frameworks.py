@@ -97,6 +97,12 @@ def _configure_django(pg_dsn: str) -> None:
 @pytest.fixture
 def django_connection(pg_dsn: str) -> Iterator[Any]:
     """``django.db.connection`` (psycopg 3 backend), closed after the test."""
+    import django
+
+    with psycopg.connect(pg_dsn) as probe:
+        server = probe.info.server_version
+    if django.VERSION >= (5, 0) and server < 140000:
+        pytest.skip(f"Django {django.__version__} needs PostgreSQL 14 or later")
     _configure_django(pg_dsn)
     from django.db import connection, connections
 

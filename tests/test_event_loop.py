@@ -93,6 +93,7 @@ def test_loop_delivers_and_acks_without_drain_events(
     assert received == list(range(50))
 
 
+@pytest.mark.slow
 def test_loop_wakes_on_notify(
     make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
 ) -> None:
@@ -168,6 +169,7 @@ def test_loop_takes_acks_from_other_threads(
     assert took < 10
 
 
+@pytest.mark.slow
 def test_loop_survives_a_lost_listen_connection(
     make_connection: Callable[..., Connection], hub: Hub, conn: Conn
 ) -> None:
@@ -219,6 +221,7 @@ def test_acks_still_buffered_are_sent_at_close(
     assert stats(conn, schema, "closing") == (0, 0)
 
 
+@pytest.mark.slow
 def test_loop_sends_an_ack_made_later_on_its_thread(
     make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
 ) -> None:

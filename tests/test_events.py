@@ -232,6 +232,7 @@ def test_redelivered_after_lock_expired(
     q.close()
 
 
+@pytest.mark.slow
 def test_dead_lettered_at_max_attempts(
     make_connection: Callable[..., Connection],
     events: Callable[..., list[logging.LogRecord]],

@@ -69,6 +69,9 @@ from tests.test_transport_processes import (
 )
 from tests.test_transport_processes import Worker as Proc
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 FULL = os.environ.get("LONNYMQ_FAULT_SCALE", "").lower() == "full"

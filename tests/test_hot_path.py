@@ -37,6 +37,7 @@ from lonnymq import ChannelBusy, Created, Outcome
 from lonnymq.metrics import DatabaseCollector
 from tests import invariants
 from tests.apps import close_app
+from tests.conftest import function_calls
 from tests.test_cli import cli
 from tests.test_plans import Recorder
 
@@ -164,6 +165,7 @@ class Traffic:
         assert p99(self.dequeue_latency) < P99_MS, p99(self.dequeue_latency)
 
 
+@pytest.mark.slow
 def test_open_producer_transaction_blocks_no_other_producer_or_consumer(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -191,6 +193,7 @@ def test_open_producer_transaction_blocks_no_other_producer_or_consumer(
     invariants.assert_consistent(connect(), broker.schema)
 
 
+@pytest.mark.slow
 def test_open_kombu_and_celery_transactions_block_no_one(
     broker: lonnymq.Broker, connect: Connect, pg_dsn: str
 ) -> None:
@@ -233,6 +236,7 @@ def test_open_kombu_and_celery_transactions_block_no_one(
     close_app(app)
 
 
+@pytest.mark.slow
 def test_limited_channel_producers_take_turns_and_fail_fast(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -285,6 +289,7 @@ def test_max_concurrency_channel_with_an_open_producer_blocks_no_one(
     assert [m.content for m in queue.dequeue(other, lock_ms=60_000).messages] == [b"open"]
 
 
+@pytest.mark.slow
 def test_eight_producers_and_eight_consumers_on_one_channel(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -386,14 +391,7 @@ def test_batch_is_one_call_for_its_creates(broker: lonnymq.Broker, connect: Conn
     first = dup_first.get()
     assert isinstance(first, Created) and dup_second.get() == lonnymq.Deduplicated(first.id)
     assert [type(p.get()).__name__ for p in small] == ["Created", "Created", "Dropped"]
-    conn.execute("SELECT pg_stat_force_next_flush()")
-    conn.execute("SELECT 1")
-    calls = dict(
-        conn.execute(
-            "SELECT funcname, calls FROM pg_stat_user_functions WHERE schemaname = %s",
-            (broker.schema,),
-        ).fetchall()
-    )
+    calls = function_calls(conn, broker.schema, lambda c: c.get("message_create_sized_v1") == 3)
     assert calls.get("message_create_many_v1") == 1
     assert calls.get("message_create_sized_v1") == 3  # only the limited channel's rows
     assert "message_create_v1" not in calls
@@ -558,6 +556,7 @@ def _empty_cycle_buffers(queue: lonnymq.Queue, conn: Conn, recorder: Recorder) -
     return sum(p.buffers for p in tops)
 
 
+@pytest.mark.slow
 def test_a_held_snapshot_does_not_slow_a_channel_that_empties_all_the_time(
     broker: lonnymq.Broker, connect: Connect
 ) -> None:
@@ -593,6 +592,7 @@ def test_a_held_snapshot_does_not_slow_a_channel_that_empties_all_the_time(
     invariants.assert_consistent(conn, broker.schema)
 
 
+@pytest.mark.slow
 def test_status_and_metrics_name_the_session_that_holds_a_snapshot(
     broker: lonnymq.Broker, connect: Connect, pg_dsn: str
 ) -> None:

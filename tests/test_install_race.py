@@ -14,6 +14,9 @@ from psycopg import sql
 import lonnymq
 from tests.conftest import lonnymq_url
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 
 def _first_use(url: str, schema: str, barrier: Any) -> str:
     from kombu.connection import Connection

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 import lonnymq
@@ -122,6 +123,7 @@ def test_a_message_of_an_open_transaction_survives_the_removal(
     assert_consistent(conn, broker.schema)
 
 
+@pytest.mark.slow
 def test_an_ingest_of_more_channels_than_the_lock_table_holds(
     broker: lonnymq.Broker, conn: Conn
 ) -> None:

@@ -385,6 +385,7 @@ def cli(pg_dsn: str, schema: str, *args: str) -> subprocess.CompletedProcess[str
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_command(broker: lonnymq.Broker, queue: lonnymq.Queue, conn: Conn, pg_dsn: str) -> None:
     ch = queue.channel("a")
     ident = created(ch.message.create(conn, b"x", delay_ms=3_600_000))

@@ -228,6 +228,7 @@ def _payloads(listener: Conn, timeout: float = 0.3) -> list[str]:
     return [n.payload for n in listener.notifies(timeout=timeout, stop_after=50)]
 
 
+@pytest.mark.slow
 def test_notify_on_create_defer_and_freed_slot(
     broker: lonnymq.Broker, conn: Conn, connect: Callable[..., Conn]
 ) -> None:

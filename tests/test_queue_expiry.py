@@ -285,6 +285,7 @@ def app(tmp_path: Path, pg_dsn: str, schema: str) -> Iterator[App]:
         made.stop()
 
 
+@pytest.mark.slow
 def test_rpc_reply_queue_of_a_client_that_went_away_expires_with_its_results(
     app: App, conn: Conn, schema: str
 ) -> None:
@@ -302,6 +303,7 @@ def test_rpc_reply_queue_of_a_client_that_went_away_expires_with_its_results(
     assert messages_of(conn, schema, reply) == 0
 
 
+@pytest.mark.slow
 def test_a_late_rpc_result_does_not_re_create_a_reply_queue_that_went(
     app: App, conn: Conn, schema: str
 ) -> None:
@@ -326,6 +328,7 @@ def test_a_late_rpc_result_does_not_re_create_a_reply_queue_that_went(
     assert gone == ("auto_delete",)
 
 
+@pytest.mark.slow
 def test_pidbox_queue_of_a_killed_worker_is_swept_by_a_producer(
     app: App, pg_dsn: str, conn: Conn, schema: str
 ) -> None:
@@ -398,6 +401,7 @@ def run_consumer(
         proc.communicate(timeout=10)
 
 
+@pytest.mark.slow
 def test_queue_of_an_exited_consumer_is_swept_by_a_producer(
     run_consumer: Callable[[str], subprocess.Popen[bytes]],
     make_connection: Callable[..., Connection],
@@ -423,6 +427,7 @@ def test_queue_of_an_exited_consumer_is_swept_by_a_producer(
         assert messages_of(conn, schema, "gone") == 0
 
 
+@pytest.mark.slow
 def test_status_shows_queues_past_their_expiry_and_housekeep_removes_them(
     run_consumer: Callable[[str], subprocess.Popen[bytes]],
     pg_dsn: str,
@@ -468,6 +473,7 @@ def test_status_shows_queues_past_their_expiry_and_housekeep_removes_them(
     assert "past their x-expires" not in again.stdout
 
 
+@pytest.mark.slow
 def test_a_live_consumer_keeps_its_expiring_queue(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:

@@ -145,6 +145,7 @@ def test_bad_policies_are_refused_and_change_nothing(
 # --- enforcement ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_rate_holds_with_its_burst(broker: lonnymq.Broker, conn: Conn) -> None:
     queue = broker.queue("q")
     queue.channel("a").policy.set(conn, rate="20/s", burst=5)
@@ -159,6 +160,7 @@ def test_a_rate_holds_with_its_burst(broker: lonnymq.Broker, conn: Conn) -> None
     assert_consistent(conn, broker.schema)
 
 
+@pytest.mark.slow
 def test_concurrent_consumers_never_exceed_the_rate(
     broker: lonnymq.Broker, connect: Callable[..., Conn]
 ) -> None:
@@ -254,6 +256,7 @@ def test_a_rate_change_applies_within_one_interval(broker: lonnymq.Broker, conn:
     assert 19 <= len(got) <= 22
 
 
+@pytest.mark.slow
 def test_rate_and_max_concurrency_together(broker: lonnymq.Broker, conn: Conn) -> None:
     queue = broker.queue("q")
     queue.channel("a").policy.set(conn, max_concurrency=2, rate="40/s", burst=4)
@@ -290,6 +293,7 @@ def test_priority_within_a_rated_channel(broker: lonnymq.Broker, conn: Conn) -> 
     assert len(got) <= 1 + 20 * 0.5 + 1
 
 
+@pytest.mark.slow
 def test_delayed_messages_wait_for_their_time_then_the_rate(
     broker: lonnymq.Broker, conn: Conn
 ) -> None:
@@ -385,6 +389,7 @@ def test_rate_state_is_shown(broker: lonnymq.Broker, conn: Conn) -> None:
 # --- the command line and the transport options ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_cli_sets_and_shows_rates(broker: lonnymq.Broker, conn: Conn, pg_dsn: str) -> None:
     base = ("--dsn", pg_dsn, "--schema", broker.schema)
     out = cli("policy", "set", "q", "a", "--rate", "10/m", "--burst", "3", *base, "--json")

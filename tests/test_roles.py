@@ -131,6 +131,7 @@ def test_kombu_producer_and_consumer_roles(
     assert lonnymq.Queue("kjobs", schema=schema).stats(conn).total == 0
 
 
+@pytest.mark.slow
 def test_grant_cli(roles: dict[str, str], schema: str, pg_dsn: str, conn: Conn) -> None:
     role = roles["nobody"]
     out = subprocess.run(
@@ -175,6 +176,7 @@ def test_grant_cli(roles: dict[str, str], schema: str, pg_dsn: str, conn: Conn) 
     assert bad.returncode != 0 and "invalid choice" in bad.stderr
 
 
+@pytest.mark.slow
 def test_celery_worker_runs_as_the_worker_role(
     roles: dict[str, str], schema: str, pg_dsn: str, conn: Conn, tmp_path: Any
 ) -> None:

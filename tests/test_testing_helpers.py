@@ -13,7 +13,7 @@ def test_no_server_binaries_names_the_variable_the_caller_reads(
     monkeypatch.delenv("DATABASE_URL", raising=False)
     monkeypatch.delenv("LONNYMQ_TEST_DSN", raising=False)
     monkeypatch.setattr(testing, "_candidates", lambda: [])
-    monkeypatch.setattr(testing, "_pgserver_bindir", lambda: None)
+    monkeypatch.setattr(testing, "_bundled_bindirs", lambda: [])
     with pytest.raises(testing.NoServerBinaries) as err, testing.database():
         pass
     assert "set DATABASE_URL" in str(err.value) and "LONNYMQ_TEST_DSN" not in str(err.value)

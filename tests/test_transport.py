@@ -245,6 +245,7 @@ def test_late_ack_after_redelivery_is_harmless(
     qb.close()
 
 
+@pytest.mark.slow
 def test_prefetch_limits_deliveries(connection: Connection) -> None:
     queue = Queue("prefetch")
     producer = connection.Producer()
@@ -422,6 +423,7 @@ def test_wakes_for_delayed_message_without_notify(
     assert 0.45 < received[0] - start < 2.0
 
 
+@pytest.mark.slow
 def test_celery_cli_knows_the_url_without_an_app(pg_dsn: str, conn: Conn) -> None:
     """The celery.commands entry point imports lonnymq, so `celery -b lonnymq://...` works
     without -A: with no worker running, inspect reaches the broker and finds no node. (Run in

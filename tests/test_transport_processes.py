@@ -42,6 +42,9 @@ import lonnymq
 from lonnymq.testing import TempPostgres
 from tests.conftest import lonnymq_url
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 Event = dict[str, Any]
 Topology = dict[str, Any]

@@ -15,6 +15,7 @@ trip.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,18 @@ STAMP_TASK = """
 @app.task(name="t.stamp", shared=False)
 def stamp(tag, sent):
     append("stamps", json.dumps([tag, sent, time.time()]))
+
+
+@app.task(name="t.get_from", shared=False)
+def get_from(queue, timeout):
+    # a consumer in a pool process (prefork: a child, after the fork)
+    with app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(queue)
+        message = simple.get(timeout=timeout)
+        got = time.time()
+        message.ack()
+        simple.close()
+    return got
 
 
 @app.task(name="t.retry_once", bind=True, shared=False)
@@ -116,6 +129,14 @@ FORMS = [
     pytest.param((), {"LMQ_EVENT_LOOP": "0"}, id="prefork-blocking-loop"),
     pytest.param(("--pool", "threads", "-c", "4"), {"LMQ_EVENT_LOOP": "0"}, id="threads-blocking"),
     pytest.param(("-E",), {}, id="prefork-events"),
+    pytest.param(
+        ("--pool", "gevent", "-c", "10"),
+        {},
+        id="gevent",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("gevent") is None, reason="gevent is not installed"
+        ),
+    ),
 ]
 
 
@@ -160,6 +181,10 @@ def test_wakes_after_its_connections_were_cut(
 
 @pytest.mark.slow
 def test_wakes_after_a_postgres_restart(tmp_path: Path, schema: str) -> None:
+    """A throwaway server restarted under an idle worker: the worker reconnects and wakes
+    as before; and this process's first publish after the restart (its producer's channel
+    closed with the lost connection; the rpc backend declares its reply queue on it) goes
+    through on kombu's retry instead of failing with 'channel disconnected'."""
     server = TempPostgres().init().start()
     started: list[tcw.Worker] = []
     try:
@@ -198,6 +223,19 @@ def test_revoke_then_its_task_is_revoked(env: tcw.Env, start: Callable[..., tcw.
         with pytest.raises(TaskRevokedError):
             result.get(timeout=10)
     assert not [tag for tag in stamps(env) if str(tag).startswith("revoked")], worker.log_tail()
+
+
+def test_consumer_in_a_prefork_child_wakes(env: tcw.Env, start: Callable[..., tcw.Worker]) -> None:
+    """A task in a prefork child consumes a queue (``SimpleQueue.get``, on a connection of
+    its own made after the fork) and is woken by a publish to it."""
+    worker = start()
+    result = env.task("get_from").delay("child_q", 20)
+    time.sleep(2.0)  # the child found nothing and sleeps
+    with env.app.connection_for_write() as conn:
+        conn.SimpleQueue("child_q").put("hello")
+        sent = time.time()
+    got = result.get(timeout=30)
+    assert got - sent < PICKUP_S, f"{(got - sent) * 1000:.1f} ms\n{worker.log_tail()}"
 
 
 def test_retry_and_rpc_round_trips_are_prompt(

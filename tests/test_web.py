@@ -18,6 +18,9 @@ import lonnymq
 
 from ._web import HOSTILE_CHANNEL, HOSTILE_QUEUE, SCRIPT, Server, fill, web_server
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 

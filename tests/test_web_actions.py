@@ -14,6 +14,9 @@ import lonnymq
 
 from ._web import TOKEN, Server, fill, web_server
 
+#: multi-second tests (Celery workers, processes, servers): not in the fast subset
+pytestmark = pytest.mark.slow
+
 Conn = psycopg.Connection[Any]
 
 

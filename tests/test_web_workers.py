@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 from kombu.connection import Connection
 from kombu.entity import Exchange
 from psycopg import sql
@@ -29,6 +30,7 @@ from tests.test_celery_worker import Env, Worker, _stop
 from ._web import web_server
 
 Conn = psycopg.Connection[Any]
+pytestmark = pytest.mark.slow
 
 # the fixtures of tests/test_celery_worker.py: its app module, and its worker processes
 env = test_celery_worker.env

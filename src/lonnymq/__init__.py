@@ -31,6 +31,7 @@ from .exceptions import (
     DatabaseError,
     InvalidArgument,
     InvalidName,
+    ListenUnavailable,
     LonnyMQError,
     MessageLocked,
     MessageNotFound,
@@ -39,6 +40,7 @@ from .exceptions import (
     SchemaError,
     SchemaNotInstalled,
     SchemaTooNew,
+    UnsupportedServer,
 )
 from .migrator import CURRENT_VERSION, DEFAULT_SCHEMA, migrations
 from .queue import (
@@ -146,6 +148,7 @@ __all__ = [
     "Dropped",
     "InvalidArgument",
     "InvalidName",
+    "ListenUnavailable",
     "LonnyMQError",
     "Message",
     "MessageLocked",
@@ -161,6 +164,7 @@ __all__ = [
     "SchemaError",
     "SchemaNotInstalled",
     "SchemaTooNew",
+    "UnsupportedServer",
     "grant",
     "install",
     "migrations",

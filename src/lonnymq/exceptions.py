@@ -37,6 +37,12 @@ class MessageTooLarge(InvalidArgument):
         self.limit = limit
 
 
+class ListenUnavailable(ConfigurationError):
+    """A consumer's LISTEN connection goes through a connection pooler in transaction mode,
+    where notifications cannot reach it: set the transport option ``listen_dsn`` to a direct
+    connection, or ``use_listen=False`` to poll (see docs/operations.md, "Behind PgBouncer")."""
+
+
 class ChannelFull(LonnyMQError):
     """A create was refused because the channel holds ``max_size`` messages already.
 
@@ -121,6 +127,20 @@ class SchemaTooNew(SchemaError):
         self.schema = schema
         self.installed = installed
         self.known = known
+
+
+class UnsupportedServer(LonnyMQError):
+    """The Postgres server is older than the oldest version lonnymq supports; refused at
+    install, before anything is written."""
+
+    def __init__(self, version: str, oldest: int, newest: int) -> None:
+        super().__init__(
+            f"PostgreSQL {version} is not supported: lonnymq needs PostgreSQL {oldest} or "
+            f"newer (it is tested on {oldest} to {newest}); nothing was installed. Upgrade "
+            "the server, or point lonnymq at a newer one"
+        )
+        self.version = version
+        self.oldest = oldest
 
 
 class DatabaseError(LonnyMQError):

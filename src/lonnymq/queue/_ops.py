@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Generic, LiteralString, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import sql
 
+from .._compat import LiteralString
 from ..exceptions import (
     ChannelBusy,
     ConnectionLost,
@@ -97,7 +98,18 @@ def translate(exc: Exception, schema: str) -> LonnyMQError:
         return InvalidArgument(f"rejected by Postgres: {str(exc).splitlines()[0]}")
     if _connection_lost(exc):
         return ConnectionLost(f"connection to Postgres failed: {exc}")
+    if isinstance(exc, _POOLER_ERRORS):
+        return DatabaseError(
+            f"{str(exc).splitlines()[0]}: this connection goes through a pooler in transaction "
+            "mode (PgBouncer before 1.21), which does not keep psycopg's prepared statements: "
+            "open it with psycopg.connect(..., prepare_threshold=None), or set "
+            "max_prepared_statements in PgBouncer 1.21 or later"
+        )
     return DatabaseError(f"{type(exc).__name__}: {exc}")
+
+
+#: psycopg prepared a statement on one server session and a pooler ran the next call on another
+_POOLER_ERRORS = (pgerrors.DuplicatePreparedStatement, pgerrors.InvalidSqlStatementName)
 
 
 _CONNECTION_ERRORS = (

@@ -9,8 +9,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, LiteralString
+from typing import Literal
 
+from .._compat import LiteralString
 from . import _checks
 from ._ops import Op, Rows, render
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import LiteralString, overload
+from typing import overload
 
+from .._compat import LiteralString
 from ..exceptions import ChannelFull
 from . import _checks
 from ._ops import AConn, Conn, Op, Rows, execute, render

@@ -6,10 +6,11 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, LiteralString
+from typing import Any
 
 import psycopg
 
+from .._compat import LiteralString
 from . import _checks
 from ._ops import Op, Rows, render, require_sync, run
 from .finalize import KEEP, defer_op, delete_op, heartbeat_op, reject_op

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import LiteralString
 
+from .._compat import LiteralString
 from . import _checks
 from ._ops import Op, Rows, no_result, render
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import LiteralString
 
+from .._compat import LiteralString
 from . import _checks
 from ._ops import Op, Rows, render
 from .results import Outcome

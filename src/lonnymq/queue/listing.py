@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Literal, LiteralString
+from typing import Literal
 
+from .._compat import LiteralString
 from ..exceptions import InvalidArgument
 from . import _checks
 from ._ops import Op, Rows, render

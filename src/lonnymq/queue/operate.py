@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, LiteralString
+from typing import Any
 
 from psycopg.types.json import Jsonb
 
+from .._compat import LiteralString
 from ..exceptions import InvalidArgument, MessageLocked, MessageNotFound
 from . import _checks
 from ._ops import Op, Rows, no_result, render

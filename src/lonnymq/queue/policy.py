@@ -9,8 +9,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import LiteralString, overload
+from typing import overload
 
+from .._compat import LiteralString
 from . import _checks
 from ._ops import AConn, Conn, Op, Rows, execute, no_result, render, require_sync, run
 from .rate import Rate, burst_or_none, rate_of, rate_or_none

@@ -3,8 +3,7 @@ stats, the list of queues."""
 
 from __future__ import annotations
 
-from typing import LiteralString
-
+from .._compat import LiteralString
 from . import _checks
 from ._ops import Op, Rows, render
 from .results import QueueStats

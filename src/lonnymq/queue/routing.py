@@ -5,8 +5,8 @@ is one round trip and every process sees the same bindings."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import LiteralString
 
+from .._compat import LiteralString
 from ..exceptions import InvalidArgument
 from . import _checks
 from ._ops import Op, Rows, no_result, render

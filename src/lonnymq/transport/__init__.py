@@ -44,11 +44,14 @@ Features
   ``event_loop=False`` makes Celery use its blocking loop (``drain_events``) instead.
 
 Connections per process: 1 for a producer; 2 for a consumer (commands, and LISTEN), and a
-third when other threads ack while it drains (Celery's pools).
+third when other threads ack while it drains (Celery's pools). Behind a transaction pooler
+(PgBouncer): no prepared statements, and a consumer needs ``listen_dsn`` (else it raises
+:class:`lonnymq.ListenUnavailable` at its first wait), see :mod:`lonnymq.transport.pooler`.
 
 Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``schema`` (``"lonnymq"``), ``visibility_timeout`` (3600 s), ``heartbeat_interval``
 (visibility_timeout / 4, at most 60 s), ``polling_interval`` (5 s), ``use_listen`` (True),
+``listen_dsn`` (a direct connection for a consumer's LISTEN and dequeues behind PgBouncer),
 ``event_loop`` (True: a Celery worker runs the consumer in its event loop),
 ``refill_delay`` (0.005 s), ``batch_size`` (100), ``auto_install`` (True),
 ``max_message_bytes`` (8 MiB),

@@ -48,6 +48,8 @@ class Channel(TopologyChannel):
         self.idle = False
         #: fetches in a row that brought messages
         self.busy_rounds = 0
+        #: when its last fetch, which found nothing, said to look again (time.monotonic)
+        self.retry_at: float | None = None
 
     @property
     def acks_nothing(self) -> bool:
@@ -274,8 +276,10 @@ class Channel(TopologyChannel):
         self._report_dead(result)
         if not result.messages:
             self.idle, self.busy_rounds = True, 0
-            return [], result.retry_ms
-        self.idle = False
+            retry = result.retry_ms
+            self.retry_at = None if retry is None else time.monotonic() + retry / 1000
+            return [], retry
+        self.idle, self.retry_at = False, None
         self.busy_rounds += 1
         messages = [m for m in result.messages if m.queue in self._active_queues]
         if len(messages) < len(result.messages):

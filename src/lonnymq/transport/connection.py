@@ -29,6 +29,7 @@ from .. import migrator
 from ..dsn import mask_password
 from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
 from ..queue._ops import Op, run, translate
+from . import pooler
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
@@ -80,7 +81,13 @@ def _open(conninfo: str, connect_timeout: float | None, role: str) -> psycopg.Co
     if connect_timeout:
         kwargs["connect_timeout"] = max(1, int(connect_timeout))
     try:
-        return psycopg.connect(conninfo, **kwargs)
+        conn = psycopg.connect(conninfo, **kwargs)
+        try:
+            pooler.adapt(conn)  # no prepared statements through a pooler
+        except BaseException:
+            conn.close()
+            raise
+        return conn
     except psycopg.Error as exc:
         raise ConnectionLost(
             f"cannot connect to Postgres: {mask_password(str(exc)).strip()}"
@@ -271,7 +278,7 @@ class Waiter(_Forkable):
             try:
                 result = run(conn, op)
             except LonnyMQError as exc:
-                logger.warning("lonnymq: LISTEN session failed (%s); reconnecting", exc)
+                logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
                 return None
             return result, self.notified(queues)
@@ -298,6 +305,10 @@ class Waiter(_Forkable):
             return None  # do not hammer a server that just refused us
         try:
             conn = _open(self.conninfo, self.connect_timeout, "listen")
+            # through a pooler, LISTEN must work or the consumer refuses to start
+            pooler.check_listen(
+                conn, self.conninfo, lambda: _open(self.conninfo, self.connect_timeout, "check")
+            )
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
         except (ConnectionLost, psycopg.Error) as exc:
             self._failed_at = time.monotonic()

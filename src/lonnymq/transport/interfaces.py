@@ -9,7 +9,7 @@ transport imports its parts, and the parts import this module (and the queue API
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import Any, Protocol, TypeVar
 
 from ..queue._ops import Op
@@ -18,7 +18,7 @@ from .acks import Ack, AckBuffer, Held
 from .connection import PgClient, Waiter
 from .options import Options
 from .registry import Registry
-from .sleep import SleepKeys
+from .sleep import SleepKeys, Wanted
 
 T = TypeVar("T")
 #: where a delivered message came from: (queue, channel, attempts)
@@ -66,6 +66,10 @@ class ChannelLike(Protocol):
     @property
     def busy_rounds(self) -> int:
         """Fetches in a row that brought messages."""
+
+    @property
+    def retry_at(self) -> float | None:
+        """When its last fetch, which found nothing, said to look again."""
 
     @property
     def acks_nothing(self) -> bool:
@@ -137,7 +141,7 @@ class TransportLike(Protocol):
 
     def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult: ...
 
-    def fetch_jobs(self, only: Collection[str] | None = None) -> tuple[list[Job], int | None]: ...
+    def fetch_jobs(self, wanted: Wanted) -> tuple[list[Job], int | None]: ...
 
     def run_fetches(self, jobs: list[Job]) -> list[tuple[ChannelLike, DequeueResult]]: ...
 

@@ -14,10 +14,12 @@ last) while the loop goes on feeding the pool; when they are back the thread wak
 which delivers the messages on its own thread, as Celery requires (those of different
 channels in the order they were created), and looks again. Before a fetch, the same thread
 takes the ``sleep`` keys of the queues of channels that found nothing and releases those of
-busy ones, on the LISTEN session (see :mod:`.sleep`); after taking a key it looks again. One
-batch is in flight at a time. The loop's thread holds the ack buffer: its own acks return at once
-and go with the next fetch, which they trigger. Errors of a fetch (a lost connection) are
-raised on the loop's thread, where Celery handles them as it does for RabbitMQ.
+busy ones, on the LISTEN session (see :mod:`.sleep`); after taking a key it looks again. A
+channel asleep on its queues is fetched for only when a NOTIFY names one of them, at its
+timer, or at the fallback poll. One batch is in flight at a time. The loop's thread holds the
+ack buffer: its own acks return at once and go with the next fetch, which they trigger.
+Errors of a fetch (a lost connection) are raised on the loop's thread, where Celery handles
+them as it does for RabbitMQ.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult
 from .interfaces import ChannelLike, Job, TransportLike
-from .sleep import Change, Settled, sooner
+from .sleep import Change, Settled, Wanted, sooner
 
 logger = logging.getLogger("lonnymq.transport")
 
@@ -129,32 +131,28 @@ class LoopConsumer:
         self.retry_at: float | None = None
         self.retry_timer: Any = None
         self._lock = threading.Lock()
-        # a reason to fetch came (cleared when a fetch starts): for every channel, or for
-        # those consuming the queues a NOTIFY was for
-        self._wanted_all = True
-        self._wanted_queues: set[str] = set()
+        self._wanted = Wanted(awake=True)  # why to fetch (cleared when a fetch starts)
         self.fetcher = Fetcher(transport, self.waiter.wake)
         self.fetcher.start()
         loop.add_reader(self.waiter.wake_fd, self.on_wake)
-        self.poll_timer = loop.call_repeatedly(transport.options.polling_interval, self.on_retry)
+        self.poll_timer = loop.call_repeatedly(transport.options.polling_interval, self.on_poll)
         self.closed = False
         self.waiter.wake()  # first look as soon as the loop runs
 
-    def want(self, queues: Collection[str] | None = None) -> None:
+    def want(self, queues: Collection[str] | None = None, *, every: bool = False) -> None:
         """There may be something to fetch, or acks to send (any thread; wake the loop too):
-        in the channels consuming ``queues`` (None: in every channel)."""
+        in the channels consuming ``queues``; None: in those awake (``every``: in every
+        channel, those asleep too)."""
         with self._lock:
             if queues is None:
-                self._wanted_all = True
+                self._wanted.add(Wanted(every=every, awake=True))
             else:
-                self._wanted_queues.update(queues)
+                self._wanted.queues.update(queues)
 
-    def _take_wanted(self) -> tuple[bool, set[str] | None]:
-        """Whether to fetch now, and for which queues only (None: every channel)."""
+    def _take_wanted(self) -> Wanted:
         with self._lock:
-            every, queues = self._wanted_all, self._wanted_queues
-            self._wanted_all, self._wanted_queues = False, set()
-        return every or bool(queues), None if every else queues
+            wanted, self._wanted = self._wanted, Wanted()
+        return wanted
 
     def close(self) -> None:
         """Leave the loop: the fetch in flight is waited for (its messages are released,
@@ -187,11 +185,11 @@ class LoopConsumer:
         self.waiter.woken()
         self.look()
 
+    def _consumed(self) -> set[str]:
+        return {q for channel in list(self.transport.channels) for q in channel._active_queues}
+
     def on_notify(self) -> None:
-        queues: set[str] = set()
-        for channel in list(self.transport.channels):
-            queues.update(channel._active_queues)
-        notified = self.waiter.notified(queues)
+        notified = self.waiter.notified(self._consumed())
         if notified:
             self.want(notified)  # only the channels of those queues: the others sleep on
             self.look()
@@ -199,6 +197,12 @@ class LoopConsumer:
     def on_retry(self) -> None:
         self.retry_at = self.retry_timer = None
         self.want()
+        self.look()
+
+    def on_poll(self) -> None:
+        """The fallback poll: a look in every channel, asleep or not (see docs/design.md,
+        "Wake-ups")."""
+        self.want(every=True)
         self.look()
 
     # -- looking -------------------------------------------------------------------------------
@@ -216,22 +220,25 @@ class LoopConsumer:
         if outcome is not None:
             results, error, settled = outcome
             _, retry_ms, again = transport.deliver_fetched(results)
-            if again or (settled is not None and settled.look_again):
+            if again:
                 self.want()  # there may be more
-            if settled is not None and settled.retry_ms is not None:
+            if settled is not None:
+                self.want(settled.look_again)
                 retry_ms = sooner(retry_ms, settled.retry_ms)
             if error is not None:
                 raise error
         if not self.fetcher.busy:
             change = transport.sleep.plan(transport.channels)
             if change is not None and change.take:
-                self.want()  # look again once the keys are taken
+                self.want(change.take)  # look again there once the keys are taken
+            # notifications already read? (a control message published before a task: its
+            # channel is fetched in the same round as the task's, see channel.deliver)
+            self.want(self.waiter.notified(change.consumed if change else self._consumed()))
             jobs: list[Job] = []
-            wanted, only = self._take_wanted()
+            wanted = self._take_wanted()
             if wanted:
-                jobs, wait = transport.fetch_jobs(only)
-                if wait is not None:
-                    retry_ms = sooner(retry_ms, wait)
+                jobs, wait = transport.fetch_jobs(wanted)
+                retry_ms = sooner(retry_ms, wait)
             if jobs or change is not None:
                 self.fetcher.submit(jobs, change)
             elif self.owner and transport.acks.pending() and (retry_ms is None or retry_ms > 5):

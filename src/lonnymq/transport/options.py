@@ -12,6 +12,7 @@ from ..dsn import meant
 from ..exceptions import ConfigurationError, InvalidArgument
 from ..queue._checks import DEFAULT_MAX_MESSAGE_BYTES
 from ..queue.rate import burst_or_none, rate_or_none
+from . import url
 
 # Options kombu itself reads, or writes into transport_options (Producer.publish with
 # retry=True merges its retry_policy, the keywords of Connection.ensure, into them): accepted
@@ -47,9 +48,15 @@ class Options:
     #: Fallback poll, seconds: an idle consumer looks again at least this often even without a
     #: NOTIFY. With use_listen off, this is the pickup latency.
     polling_interval: float = 5.0
-    #: Wait on LISTEN/NOTIFY (one extra connection per consuming process). Turn off behind
-    #: PgBouncer in transaction mode.
+    #: Wait on LISTEN/NOTIFY (one extra connection per consuming process). Behind a pooler in
+    #: transaction mode (PgBouncer) it cannot work: set listen_dsn, or turn this off to poll.
     use_listen: bool = True
+    #: A connection straight to Postgres (``postgresql://`` or ``lonnymq://`` URL, or a libpq
+    #: ``key=value`` string) for what a consumer needs a session of its own for: its LISTEN
+    #: connection, and its dequeues, acks and releases (a dequeue that finds nothing marks its
+    #: session as waiting for a NOTIFY). Publishes, heartbeats and everything else keep to the
+    #: broker URL (through PgBouncer). None: the broker URL for everything.
+    listen_dsn: str | None = None
     #: Let a Celery worker run the consumer in its event loop (and the prefork pool as
     #: its asynchronous pool), as it does with RabbitMQ and Redis. False: Celery's blocking
     #: loop calls drain_events, as with kombu's other database transports.
@@ -128,6 +135,11 @@ class Options:
                 )
         if self.connect_timeout is not None:
             _seconds("connect_timeout", self.connect_timeout, low=0)
+        if self.listen_dsn is not None:
+            try:
+                url.to_conninfo(self.listen_dsn)
+            except ConfigurationError as exc:
+                raise ConfigurationError(f"transport option listen_dsn: {exc}") from None
         for name in ("use_listen", "auto_install", "event_loop"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"transport option {name} must be True or False")

@@ -24,8 +24,9 @@ take per message.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..queue.dequeue import sleep_op
@@ -60,6 +61,9 @@ class Consuming(Protocol):
     @property
     def busy_rounds(self) -> int: ...
 
+    @property
+    def retry_at(self) -> float | None: ...
+
 
 @dataclass(frozen=True)
 class Change:
@@ -74,11 +78,32 @@ class Change:
 
 @dataclass(frozen=True)
 class Settled:
-    """What applying a :class:`Change` asks of the consumer: to look again now, and to look
-    again in ``retry_ms`` (a producer transaction is still open)."""
+    """What applying a :class:`Change` asks of the consumer: to look again now in the
+    channels of ``look_again`` (keys taken, producer transactions ended, notifications read
+    meanwhile; all of them after a failure), and to look again in ``retry_ms`` (a producer
+    transaction is still open)."""
 
-    look_again: bool
+    look_again: frozenset[str]
     retry_ms: int | None
+
+
+@dataclass
+class Wanted:
+    """Which kombu channels to fetch for: ``every`` one (the fallback poll), those ``awake``
+    (not asleep on their queues, see :meth:`SleepKeys.asleep`), those consuming ``queues``
+    (a NOTIFY was for them, or the consumer must look again there)."""
+
+    every: bool = False
+    awake: bool = False
+    queues: set[str] = field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return self.every or self.awake or bool(self.queues)
+
+    def add(self, other: Wanted) -> None:
+        self.every = self.every or other.every
+        self.awake = self.awake or other.awake
+        self.queues.update(other.queues)
 
 
 class SleepKeys:
@@ -124,6 +149,23 @@ class SleepKeys:
             tuple(sorted(take)), tuple(sorted(drop)), tuple(sorted(check)), frozenset(consumed)
         )
 
+    def asleep(self, channel: Consuming, now: float | None = None) -> bool:
+        """The channel found nothing, its keys are held and settled and no timer of its is
+        due: a publish to its queues sends a NOTIFY, so there is no need to fetch for it
+        until then."""
+        if not channel.idle or not self.held.issuperset(channel._active_queues):
+            return False
+        if self.unsettled.intersection(channel._active_queues):
+            return False
+        due = channel.retry_at
+        return due is None or due > (time.monotonic() if now is None else now) + 0.002
+
+    def wanted(self, channel: Consuming, wanted: Wanted, now: float) -> bool:
+        """Whether ``wanted`` asks to fetch for ``channel``."""
+        if wanted.every or not wanted.queues.isdisjoint(channel._active_queues):
+            return True
+        return wanted.awake and not self.asleep(channel, now)
+
     def apply(self, change: Change) -> Settled:
         """Apply ``change`` on the LISTEN session (from any thread)."""
         done = self.waiter.run(
@@ -132,12 +174,12 @@ class SleepKeys:
         if done is None:  # the session failed: its keys went with it
             self.held.clear()
             self.unsettled.clear()
-            return Settled(True, None)
+            return Settled(change.consumed, None)
         still_open, notified = done
         self.held.update(change.take)
         self.held.difference_update(change.drop)
         was_open = self.unsettled
         self.unsettled = (was_open - set(change.check) - set(change.drop)) | set(still_open)
-        ended = bool(was_open & (set(change.check) - set(still_open)))
+        ended = was_open & (set(change.check) - set(still_open))
         retry_ms = UNSETTLED_RETRY_MS if self.unsettled else None
-        return Settled(bool(change.take) or ended or bool(notified), retry_ms)
+        return Settled(frozenset(change.take) | ended | notified, retry_ms)

@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import psycopg
@@ -30,7 +30,7 @@ from .interfaces import ChannelLike, Delivery, Job
 from .loop import LoopConsumer
 from .options import Options
 from .registry import Registry
-from .sleep import Settled, SleepKeys, sooner
+from .sleep import Settled, SleepKeys, Wanted, sooner
 from .sweep import Sweeper, sweeper_for
 
 logger = logging.getLogger("lonnymq.transport")
@@ -53,8 +53,21 @@ class Transport(virtual.Transport):
         exchange_type=frozenset(["direct", "topic", "fanout"]),
         heartbeats=False,
     )
-    connection_errors = (ConnectionLost, psycopg.OperationalError, OSError)  # type: ignore[assignment]
-    channel_errors = (LonnyMQError, psycopg.Error, ChannelError)  # type: ignore[assignment]
+    # kombu's own (amqp's ConnectionError, ChannelError) too: kombu raises them itself, as
+    # RecoverableConnectionError('channel disconnected') when a publish after a reconnect
+    # declares an entity bound to the channel the lost connection closed
+    connection_errors = (  # type: ignore[assignment]
+        *virtual.Transport.connection_errors,
+        ConnectionLost,
+        psycopg.OperationalError,
+        OSError,
+    )
+    channel_errors = (  # type: ignore[assignment]
+        *virtual.Transport.channel_errors,
+        LonnyMQError,
+        psycopg.Error,
+        ChannelError,
+    )
     recoverable_connection_errors = connection_errors
     recoverable_channel_errors = ()
 
@@ -67,12 +80,7 @@ class Transport(virtual.Transport):
         )
         self.polling_interval = self.options.polling_interval
         self.conninfo = url.client_conninfo(client)
-        self.pg = PgClient(
-            self.conninfo,
-            schema=self.options.schema,
-            connect_timeout=self.options.connect_timeout,
-            auto_install=self.options.auto_install,
-        )
+        self.pg = self._client(self.conninfo)
         self.exchange_types: dict[str, str] = {}
         #: x-expires (ms) of the queues this process declared: how often consumers touch them
         self.queue_expires: dict[str, int | None] = {}
@@ -91,32 +99,45 @@ class Transport(virtual.Transport):
         self._looper: LoopConsumer | None = None  # while registered with an event loop
 
     @property
+    def listen_conninfo(self) -> str:
+        """Where the consumer's LISTEN connection goes (where it also sleeps, see
+        :mod:`.sleep`): ``listen_dsn``, else the broker URL. Its dequeues hold no state of
+        their session and go through the broker URL, a pooler too."""
+        if self.options.listen_dsn:
+            return url.to_conninfo(self.options.listen_dsn)
+        return self.conninfo
+
+    @property
     def side_pg(self) -> PgClient:
         """A second command connection, opened on first use: for the acks that threads other
         than the consumer's send themselves while the consumer drains (see :mod:`.acks`)."""
         if self._side_pg is None:
-            self._side_pg = PgClient(
-                self.conninfo,
-                schema=self.options.schema,
-                connect_timeout=self.options.connect_timeout,
-                auto_install=self.options.auto_install,
-            )
+            self._side_pg = self._client(self.conninfo)
         return self._side_pg
+
+    def _client(self, conninfo: str) -> PgClient:
+        return PgClient(
+            conninfo,
+            schema=self.options.schema,
+            connect_timeout=self.options.connect_timeout,
+            auto_install=self.options.auto_install,
+        )
 
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
 
-    def fetch_jobs(self, only: Collection[str] | None = None) -> tuple[list[Job], int | None]:
-        """The fetches to run now, one per consuming kombu channel that has room (with
-        ``only``: of the channels consuming one of those queues, that a NOTIFY was for; the
-        others sleep on): those that ack first, then those that consume without acks
-        (control, events, replies), so that a task seen implies that a control message
-        published before it is seen too (``channel.deliver`` then delivers them in order);
-        and the ms until a channel waiting for its refill may fetch."""
+    def fetch_jobs(self, wanted: Wanted) -> tuple[list[Job], int | None]:
+        """The fetches to run now, one per consuming kombu channel that ``wanted`` names
+        and that has room (a channel asleep on its queues is left alone until a NOTIFY for
+        them, its timer or the fallback poll): those that ack first, then those that consume
+        without acks (control, events, replies), so that a task seen implies that a control
+        message published before it is seen too (``channel.deliver`` then delivers them in
+        order); and the ms until a channel waiting for its refill may fetch."""
         jobs: list[Job] = []
         retry_ms: int | None = None
+        now = time.monotonic()
         for channel in sorted(self.channels, key=lambda c: c.acks_nothing):
-            if only is not None and not any(q in only for q in channel._active_queues):
+            if not self.sleep.wanted(channel, wanted, now):
                 continue
             if channel._consumers:
                 self._ensure_heartbeat()
@@ -356,7 +377,7 @@ class Transport(virtual.Transport):
     def waiter(self) -> Waiter:
         if self._waiter is None:
             self._waiter = Waiter(
-                self.conninfo,
+                self.listen_conninfo,
                 wake_channel(self.options.schema),
                 self.options.connect_timeout,
                 listen=self.options.use_listen,
@@ -394,14 +415,14 @@ class Transport(virtual.Transport):
         ack buffer keeps fetching (each dequeue carrying the acks of the messages delivered
         before it) while deliveries keep coming, up to ``batch_size`` messages or 50 ms.
         Before it waits, the consumer sleeps on the queues of every idle channel (see
-        :mod:`.sleep`), and looks once more after taking a key. A consumer asleep when an
-        earlier call timed out goes on waiting: it looks again when woken (then only in the
-        channels of the queues a NOTIFY was for), at its next timer, or at the fallback
-        poll, not at every call (Celery's and kombu's loops call with a timeout of 1-2 s)."""
+        :mod:`.sleep`), and looks once more where it took a key. Asleep, it stays so across
+        calls (Celery's and kombu's loops call with a timeout of 1-2 s): it looks again when
+        woken (a NOTIFY: in the channels of its queues), at a timer, or at the fallback
+        poll (in every channel)."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         total = 0
-        only: set[str] | None = None  # after a NOTIFY: the queues it was for
+        wanted = Wanted(awake=True)
         while True:
             now = time.monotonic()
             asleep = self._look_at is not None and now < self._look_at
@@ -415,23 +436,24 @@ class Transport(virtual.Transport):
                 woken = self._wait(wait, queues)
                 if woken is False:
                     continue  # the timer is due, or the caller's timeout
-                only = woken if isinstance(woken, set) else None
+                wanted = Wanted(queues=woken) if isinstance(woken, set) else Wanted(awake=True)
+            elif self._look_at is not None and not asleep:
+                wanted = Wanted(every=True, awake=True)  # the timer or the fallback poll
             self._look_at = None
-            jobs, retry_ms = self.fetch_jobs(only)
-            only = None
+            jobs, retry_ms = self.fetch_jobs(wanted)
             delivered, retry, again = self.deliver_fetched(self.run_fetches(jobs))
-            if retry is not None:
-                retry_ms = sooner(retry_ms, retry)
+            retry_ms = sooner(retry_ms, retry)
             settled = self.settle_sleep()
+            wanted = Wanted(awake=bool(delivered or again))
+            if settled is not None:
+                wanted.queues.update(settled.look_again)
+                retry_ms = sooner(retry_ms, settled.retry_ms)
             if delivered:
                 total += delivered
                 if owner and total < self.options.batch_size and time.monotonic() - started < 0.05:
                     continue
                 return
-            look_again = again or (settled is not None and settled.look_again)
-            if not look_again:  # asleep until the next timer (or a wake-up), this call or later
-                if settled is not None and settled.retry_ms is not None:
-                    retry_ms = sooner(retry_ms, settled.retry_ms)
+            if not wanted:  # asleep until the next timer (or a wake-up), this call or later
                 wait = self.options.polling_interval
                 if retry_ms is not None:
                     wait = min(wait, retry_ms / 1000 + 0.001)
@@ -441,6 +463,7 @@ class Transport(virtual.Transport):
             if owner and self.acks.pending():
                 self.send_acks(self.acks.take())
                 self._look_at = None  # acks free prefetch room: look again before sleeping
+                wanted = Wanted(awake=True)
 
     def settle_sleep(self) -> Settled | None:
         """Take and release ``sleep`` keys for the channels as they are now (None: nothing to
