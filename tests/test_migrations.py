@@ -1023,3 +1023,75 @@ def test_upgrade_from_version_4_keeps_every_message_and_the_running_workers(
         2,
     )
     invariants.assert_consistent(conn, schema)
+
+
+def test_upgrade_to_version_10_forwards_grants_and_keeps_queues(
+    schema: str, connect: Callable[..., Conn]
+) -> None:
+    """Migration 10 (consumers, auto_delete and max_priority, queues that went, listings):
+    roles granted before get the new functions of their kind; queues and messages stay (a
+    queue declared before is not auto_delete and has no max_priority); the functions it
+    replaced keep their grants."""
+    conn = connect()
+    for _, text in lonnymq.migrations(schema)[:9]:
+        with conn.transaction():
+            conn.execute(text.encode())
+    s = sql.Identifier(schema)
+    conn.execute(sql.SQL("SELECT {}.queue_declare_v1('jobs', 60000, NULL)").format(s))
+    conn.execute(
+        sql.SQL(
+            "SELECT * FROM {}.message_create_v1('jobs', 'a', NULL, 'x'::bytea, 9, 0, NULL)"
+        ).format(s)
+    )
+    suffix = uuid.uuid4().hex[:8]
+    worker, admin = f"lmq_w10_{suffix}", f"lmq_a10_{suffix}"
+    try:
+        for role in (worker, admin):
+            conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, sql.Identifier(role)))
+        for fn, role in (
+            ("queue_declare_v1(text, bigint, bigint)", worker),
+            ("message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)", worker),
+            ("message_get_v1(bigint)", admin),
+            ("message_list_v1(text, text, text, bigint, integer)", admin),
+        ):
+            conn.execute(
+                sql.SQL("GRANT EXECUTE ON FUNCTION {}.{} TO {}").format(
+                    s, sql.SQL(fn), sql.Identifier(role)
+                )
+            )
+        name, text = lonnymq.migrations(schema)[9]
+        assert name == "0010_consumers_auto_delete_max_priority"
+        with conn.transaction():
+            conn.execute(text.encode())
+        assert migrator.installed_version(conn, schema) == 10
+
+        def may(role: str, fn: str) -> bool:
+            row = conn.execute(
+                "SELECT has_function_privilege(%s, %s, 'EXECUTE')", (role, f"{schema}.{fn}")
+            ).fetchone()
+            return bool(row and row[0])
+
+        assert may(worker, "consumer_sync_v1(uuid, text, integer, text, integer, text[], "
+                   "text[], boolean[], integer[], timestamptz[])")  # fmt: skip
+        assert may(worker, "queue_declare_v2(text, bigint, bigint, boolean, integer)")
+        assert may(worker, "consumer_list_v1(text)")
+        assert not may(worker, "message_list_v2(text, text, text, bigint, integer, text, "
+                       "timestamptz, integer)")  # fmt: skip
+        assert may(admin, "message_list_v2(text, text, text, bigint, integer, text, "
+                   "timestamptz, integer)")  # fmt: skip
+        assert may(admin, "channel_list_v3(text, integer, text)")
+        assert may(admin, "message_list_v1(text, text, text, bigint, integer)")  # kept
+        row = conn.execute(
+            "SELECT has_table_privilege(%s, %s, 'SELECT')", (admin, f"{schema}.consumer")
+        ).fetchone()
+        assert row == (True,)
+        assert conn.execute(
+            sql.SQL("SELECT auto_delete, max_priority, expires_ms FROM {}.queue").format(s)
+        ).fetchall() == [(False, None, 60000)]
+        got = lonnymq.Broker(schema).queue("jobs").dequeue(conn, lock_ms=1000).messages
+        assert [(m.content, m.priority) for m in got] == [(b"x", 9)]
+    finally:
+        for role in (worker, admin):
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
