@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from kombu.connection import Connection
-from kombu.entity import Queue
+from kombu.entity import Exchange, Queue
 from psycopg import sql
 
 import lonnymq
@@ -311,3 +311,36 @@ def test_max_priority_caps_higher_priorities_to_it(
         # without max_priority: 0-255 as before
         producer.publish("high", routing_key="free", priority=200)
         assert [p for p, _ in messages_of(conn, schema, "free")] == [200]
+
+
+def test_a_consumer_presumed_gone_that_comes_back_declares_its_queue_again(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A process cut off from the database for longer than three beats: its consumers are
+    presumed gone and its auto_delete queue goes, bindings and all (as RabbitMQ drops such a
+    queue with a connection it lost). When the process is heard of again, it declares and
+    binds the queue again, as a RabbitMQ client does when it reconnects."""
+    broker = lonnymq.Broker(schema)
+    q = Queue(
+        "ad-back", auto_delete=True, exchange=Exchange("back.x", type="direct"), routing_key="k"
+    )
+    got: list[Any] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    with make_connection() as c, c.Consumer(q, callbacks=[on_message]):
+        conn.execute(
+            sql.SQL("UPDATE {} SET seen_at = seen_at - interval '1 hour'").format(
+                sql.Identifier(schema, "consumer")
+            )
+        )
+        broker.expire(conn)  # a sweep: the consumer presumed gone, its queue with it
+        assert queue_row(conn, schema, "ad-back") is None
+        c.transport.registry.sync()  # its heartbeat: it is back
+        assert queue_row(conn, schema, "ad-back") == (True, None, None)
+        assert [i.alive for i in broker.consumers(conn, "ad-back")] == [True]
+        c.Producer().publish("after", exchange="back.x", routing_key="k")
+        c.drain_events(timeout=10)
+        assert got == ["after"]

@@ -3266,7 +3266,7 @@ $$;
 
 -- Every consumer of p_queue (of every queue when NULL), oldest first: who (host, pid,
 -- Celery node), since when, when last heard of and its last delivery; `alive` false for one
--- not heard of for three beats (the next sweep removes it).
+-- not heard of for three beats since the server started (the next sweep removes it).
 CREATE FUNCTION {schema}.consumer_list_v1(p_queue text)
 RETURNS TABLE (
     queue_name text, client uuid, tag text, host text, pid integer, node text,
@@ -3276,7 +3276,8 @@ RETURNS TABLE (
 LANGUAGE sql STABLE AS $$
     SELECT c.queue::text, c.client, c.tag, c.host, c.pid, c.node, c.no_ack, c.prefetch,
            c.started_at, c.seen_at, c.delivered_at,
-           c.seen_at >= clock_timestamp() - 3 * c.beat_ms * interval '1 millisecond'
+           greatest(c.seen_at, pg_postmaster_start_time())
+               >= clock_timestamp() - 3 * c.beat_ms * interval '1 millisecond'
     FROM {schema}.consumer c
     WHERE p_queue IS NULL OR c.queue = p_queue
     ORDER BY c.queue, c.started_at, c.client, c.tag
@@ -3347,14 +3348,18 @@ BEGIN
         END IF;
     END IF;
     -- consumers not heard of for three of their beats: their process is gone (killed, or
-    -- cut off); an auto_delete queue goes with its last one (see consumer_sync_v1)
+    -- cut off); an auto_delete queue goes with its last one (see consumer_sync_v1). (Since
+    -- the server started, at the earliest: after a restart, every client is given that long
+    -- to come back.)
     SELECT array_agg(DISTINCT c.queue) INTO v_stale FROM {schema}.consumer c
-    WHERE c.seen_at < v_now - 3 * c.beat_ms * interval '1 millisecond';
+    WHERE greatest(c.seen_at, pg_postmaster_start_time())
+          < v_now - 3 * c.beat_ms * interval '1 millisecond';
     IF v_stale IS NOT NULL THEN
         PERFORM 1 FROM {schema}.queue q WHERE q.name = ANY (v_stale) AND q.auto_delete
         ORDER BY q.name FOR UPDATE;
         DELETE FROM {schema}.consumer c
-        WHERE c.seen_at < v_now - 3 * c.beat_ms * interval '1 millisecond';
+        WHERE greatest(c.seen_at, pg_postmaster_start_time())
+              < v_now - 3 * c.beat_ms * interval '1 millisecond';
         queues := queues + cardinality({schema}.queue_auto_delete_v1(v_stale));
     END IF;
     FOR r IN

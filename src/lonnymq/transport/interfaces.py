@@ -16,6 +16,7 @@ from ..queue._ops import Op
 from ..queue.dequeue import DequeueResult, Message
 from .acks import Ack, AckBuffer, Held
 from .connection import PgClient, Waiter
+from .headers import QueueArguments
 from .options import Options
 from .registry import Registry
 from .sleep import SleepKeys, Wanted
@@ -121,6 +122,14 @@ class TransportLike(Protocol):
     @property
     def exchange_types(self) -> dict[str, str]:
         """The type of each exchange, as declared or looked up."""
+
+    @property
+    def declared(self) -> dict[str, tuple[QueueArguments, bool]]:
+        """The queues this process declared: their arguments and auto_delete."""
+
+    @property
+    def bound(self) -> dict[str, set[tuple[str, str]]]:
+        """The (exchange, routing key) bindings this process made, by queue."""
 
     @property
     def queue_expires(self) -> dict[str, int | None]:

@@ -79,6 +79,8 @@ class Host(Protocol):
 
     def run_consumer_op(self, op: Op[Synced]) -> Synced: ...
 
+    def redeclare(self, queue: str) -> bool: ...
+
 
 class Registry:
     """The consumers of one transport, kept in sync with the ``consumer`` table."""
@@ -196,6 +198,14 @@ class Registry:
                 "lonnymq: queue %r deleted: it is auto_delete and its last consumer went", queue
             )
         for queue in synced.missing:
+            if self.transport.redeclare(queue):
+                logger.warning(
+                    "lonnymq: queue %r went while consumed here (its consumers were presumed "
+                    "gone: this process was cut off from the database for a while); declared "
+                    "it again, with its bindings (what was in it went with it)",
+                    queue,
+                )
+                continue
             if queue not in self._told:
                 self._told.add(queue)
                 logger.warning(

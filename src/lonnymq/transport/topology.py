@@ -136,7 +136,22 @@ class TopologyChannel(virtual.Channel):
                         queue_set_op(schema, queue, default.max_concurrency, arguments.max_length),
                     )
         self.connection.queue_expires[queue] = arguments.expires_ms
+        self.connection.declared[queue] = (arguments, auto_delete)
         return int(waiting)
+
+    def redeclare(self, queue: str) -> bool:
+        """Declare ``queue`` again with the arguments and bindings this process gave it (it
+        went while consumed: its consumers were presumed gone during a long cut from the
+        database, as RabbitMQ drops an auto_delete queue with a connection it lost); whether
+        this process had declared it."""
+        known = self.connection.declared.get(queue)
+        if known is None:
+            return False
+        arguments, auto_delete = known
+        self._declare(queue, arguments, auto_delete=auto_delete)
+        for exchange, routing_key in sorted(self.connection.bound.get(queue, ())):
+            self.queue_bind(queue, exchange, routing_key)
+        return True
 
     def queue_bind(
         self,
@@ -150,6 +165,7 @@ class TopologyChannel(virtual.Channel):
         kind = self._exchange_type(exchange)
         pattern = topic_pattern(routing_key or "") if kind == "topic" else None
         self._run(bind_op(self.options.schema, exchange, routing_key or "", queue, pattern))
+        self.connection.bound.setdefault(queue, set()).add((exchange, routing_key or ""))
 
     def queue_unbind(
         self,
@@ -159,14 +175,22 @@ class TopologyChannel(virtual.Channel):
         arguments: Any = None,
         **kwargs: Any,
     ) -> None:
-        self._run(unbind_op(self.options.schema, exchange or "amq.direct", routing_key, queue))
+        exchange = exchange or "amq.direct"
+        self._run(unbind_op(self.options.schema, exchange, routing_key, queue))
+        self.connection.bound.get(queue, set()).discard((exchange, routing_key))
 
     def queue_delete(
         self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
     ) -> int | None:
         if if_empty and self._size(queue):
             return None
+        self._forget(queue)
         return int(self._run(delete_queue_op(self.options.schema, queue)))
+
+    def _forget(self, queue: str) -> None:
+        """A queue deleted on purpose is not declared again (see :meth:`redeclare`)."""
+        self.connection.declared.pop(queue, None)
+        self.connection.bound.pop(queue, None)
 
     def after_reply_message_received(self, queue: str) -> None:
         """kombu's virtual transports delete a pidbox reply queue after each collection of
@@ -186,6 +210,7 @@ class TopologyChannel(virtual.Channel):
         return int(stats.waiting)
 
     def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        self._forget(queue)
         self._run(delete_queue_op(self.options.schema, queue))
 
     def _has_queue(self, queue: str, **kwargs: Any) -> bool:

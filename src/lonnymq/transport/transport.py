@@ -25,6 +25,7 @@ from . import events, url
 from .acks import Ack, AckBuffer, Held
 from .channel import Channel, deliver
 from .connection import PgClient, Waiter
+from .headers import QueueArguments
 from .heartbeat import Heartbeat
 from .interfaces import ChannelLike, Delivery, Job
 from .loop import LoopConsumer
@@ -84,6 +85,10 @@ class Transport(virtual.Transport):
         self.exchange_types: dict[str, str] = {}
         #: x-expires (ms) of the queues this process declared: how often consumers touch them
         self.queue_expires: dict[str, int | None] = {}
+        #: the queues this process declared (arguments, auto_delete) and bound, to declare
+        #: them again should one go while consumed (see .registry)
+        self.declared: dict[str, tuple[QueueArguments, bool]] = {}
+        self.bound: dict[str, set[tuple[str, str]]] = {}
         self._waiter: Waiter | None = None
         self._sleep: SleepKeys | None = None
         self._look_at: float | None = None  # drain_events: asleep until then (or woken)
@@ -311,6 +316,14 @@ class Transport(virtual.Transport):
     def run_consumer_op(self, op: Op[T]) -> T:
         """Run one of the consumer's own operations (its commit as ``consumer_commit``)."""
         return self.pg.run(self.consumer_op(op))
+
+    def redeclare(self, queue: str) -> bool:
+        """Declare ``queue`` again, with its bindings, as this process declared them (it went
+        while consumed); whether it could."""
+        for channel in list(self.channels):
+            if not channel.closed:
+                return bool(channel.redeclare(queue))
+        return False
 
     def _deliver(self, message: Any, queue: str) -> None:
         self.registry.delivered(queue)
