@@ -375,7 +375,7 @@ CASES = [
         "opt-listen-dsn-scheme",
         kombu_options(listen_dsn="mysql://u@db/app"),
         ConfigurationError,
-        "listen_dsn: unsupported URL scheme 'mysql'",
+        "listen_dsn: unknown URL scheme 'mysql'",
     ),
     Case("opt-listen-dsn-int", kombu_options(listen_dsn=5432), ConfigurationError, "listen_dsn"),
     Case(

@@ -72,6 +72,7 @@ def test_consumers_are_registered_with_who_since_when_and_last_delivery(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:
     broker = lonnymq.Broker(schema)
+    registry.set_node(None)  # (a worker started in this process would have named it)
     with make_connection() as c:
         q = Queue("reg")
         got: list[Any] = []

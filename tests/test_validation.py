@@ -194,6 +194,7 @@ def test_nasty_names_are_just_data(
         "binding",
         "channel",
         "channel_count",
+        "consumer",
         "dead_message",
         "discovery",
         "exchange",
@@ -203,6 +204,7 @@ def test_nasty_names_are_just_data(
         "migration",
         "queue",
         "queue_count",
+        "queue_gone",
         "tally",
     ]
 

@@ -83,6 +83,7 @@ _ADMIN = (
     "exchange_delete_v1",
     "channel_list_v1",
     "channel_list_v2",
+    "channel_list_v3",
     "message_list_v1",
     "message_list_v2",
     "message_get_v1",

@@ -181,7 +181,7 @@ def _keys(where: str, value: object, allowed: frozenset[str]) -> dict[Any, Any]:
     if unknown:
         named = ", ".join(f"{k!r}{meant(str(k), allowed)}" for k in unknown)
         raise ConfigurationError(
-            f"transport option policies: {where}: unknown key(s) {named}; keys: {keys}"
+            f"transport option policies: {where}: unknown key(s) {named}; use keys among {keys}"
         )
     return value
 

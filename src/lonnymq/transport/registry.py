@@ -79,8 +79,6 @@ class Host(Protocol):
 
     def run_consumer_op(self, op: Op[Synced]) -> Synced: ...
 
-    def redeclare(self, queue: str) -> bool: ...
-
 
 class Registry:
     """The consumers of one transport, kept in sync with the ``consumer`` table."""
@@ -136,6 +134,14 @@ class Registry:
     def queues(self) -> set[str]:
         """The queues of the consumers the last sync registered."""
         return set(self._queues)
+
+    def _redeclare(self, queue: str) -> bool:
+        """Declare ``queue`` again, with its bindings, as this process declared them (it went
+        while consumed: see ``TopologyChannel.redeclare``); whether it could."""
+        for channel in list(self.transport.channels):
+            if not getattr(channel, "closed", True):
+                return bool(channel.redeclare(queue))
+        return False
 
     def forget(self) -> None:
         """Unregister every consumer of this client (its process exits)."""
@@ -198,7 +204,7 @@ class Registry:
                 "lonnymq: queue %r deleted: it is auto_delete and its last consumer went", queue
             )
         for queue in synced.missing:
-            if self.transport.redeclare(queue):
+            if self._redeclare(queue):
                 logger.warning(
                     "lonnymq: queue %r went while consumed here (its consumers were presumed "
                     "gone: this process was cut off from the database for a while); declared "

@@ -241,14 +241,6 @@ class Transport(virtual.Transport):
         """Run one of the consumer's own operations (its commit as ``consumer_commit``)."""
         return self.pg.run(self.consumer_op(op))
 
-    def redeclare(self, queue: str) -> bool:
-        """Declare ``queue`` again, with its bindings, as this process declared them (it went
-        while consumed); whether it could."""
-        for channel in list(self.channels):
-            if not channel.closed:
-                return bool(channel.redeclare(queue))
-        return False
-
     def _deliver(self, message: Any, queue: str) -> None:
         self.registry.delivered(queue)
         super()._deliver(message, queue)

@@ -33,7 +33,7 @@ def to_conninfo(url: str) -> str:
         raise ConfigurationError("the broker URL must be a non-empty string")
     problem = scheme_problem(url)
     if problem:
-        raise ConfigurationError(f"invalid broker URL: {problem}")
+        raise ConfigurationError(problem)
     if "://" in url:
         url = "postgresql://" + url.split("://", 1)[1]
     try:
