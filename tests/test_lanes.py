@@ -166,3 +166,34 @@ def test_an_ingest_of_more_lanes_than_its_key_budget(broker: lonnymq.Broker, con
     got = consume_all(broker, conn)
     assert sorted(m.content for m in got) == sorted(f"now{i}".encode() for i in range(1500))
     assert_consistent(conn, broker.schema)
+
+
+def test_a_dequeue_beside_an_open_policy_change_neither_waits_nor_overwrites_it(
+    broker: lonnymq.Broker, conn: Conn, connect: Callable[..., Conn]
+) -> None:
+    """A queue-wide policy change locks each lane's live version (schema version 11) until it
+    commits: a dequeue that owns the lane meanwhile serves the version it read without
+    waiting, and its rewrite of the lane gives way, so the change's version is the live one
+    after the commit (one version, limited)."""
+    queue = broker.queue("q")
+    for i in range(10):
+        queue.channel("a").message.create(conn, f"m{i}")
+    consume = connect()
+    held = queue.dequeue(consume, limit=1, lock_ms=60_000, listen=False).messages  # ingested
+    admin = connect(autocommit=False)
+    queue.policy.set(admin, max_concurrency=5)  # open: the lane's version is locked
+    consume.execute("SET lock_timeout = '2s'")  # (a wait would fail the dequeue)
+    held += queue.dequeue(consume, limit=2, lock_ms=60_000, listen=False).messages
+    assert [m.content for m in held] == [b"m0", b"m1", b"m2"]
+    admin.commit()
+    rows = conn.execute(
+        sql.SQL("SELECT limited FROM {}.lane WHERE queue = 'q' AND channel = 'a'").format(
+            sql.Identifier(broker.schema)
+        )
+    ).fetchall()
+    assert rows == [(True,)]
+    broker.delete_many(consume, held)
+    assert [m.content for m in consume_all(broker, consume)] == [
+        f"m{i}".encode() for i in range(3, 10)
+    ]
+    assert_consistent(conn, broker.schema)

@@ -506,7 +506,9 @@ END;
 $$;
 
 -- Replace a lane's version by a new one: the old row is deleted, the new one inserted (so a
--- read of the latest version never walks superseded ones). The caller holds the lane's key.
+-- read of the latest version never walks superseded ones). The caller holds the lane's key,
+-- or the live version's row lock (lane_lock_v1). Nothing is written when the old version is
+-- no longer the live one, or is locked by another transaction (lane_lock_v1).
 -- (Rows of lane and channel_count are found by their whole key, (queue, channel, id), never by
 -- id alone: after a VACUUM the planner may serve `id = $1` from lane_latest_idx, whose last
 -- column is the id, read whole: 3,300 buffers per delete late in a held snapshot. With the
@@ -515,13 +517,50 @@ CREATE FUNCTION {schema}.lane_put_v1(p_old_id bigint, p_new {schema}.lane) RETUR
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 BEGIN
     IF p_old_id IS NOT NULL THEN
+        -- (compare and swap: only over the live version, and not one that a writer holding
+        -- the ingest key has locked, lane_lock_v1: that one's write wins; a dequeue never
+        -- waits for it)
         DELETE FROM {schema}.lane l
-        WHERE l.queue = p_new.queue AND l.channel = p_new.channel AND l.id = p_old_id;
+        WHERE l.queue = p_new.queue AND l.channel = p_new.channel AND l.id = p_old_id
+          AND l.id = (SELECT x.id FROM {schema}.lane x
+                      WHERE x.queue = p_new.queue AND x.channel = p_new.channel
+                        AND x.id = p_old_id
+                      FOR UPDATE SKIP LOCKED);
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
     END IF;
     INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at, pos_id,
                                not_before)
     VALUES (p_new.queue, p_new.channel, p_new.turn_at, p_new.served_at, p_new.limited,
             p_new.prios, p_new.pos_at, p_new.pos_id, p_new.not_before);
+END;
+$$;
+
+-- Lock a lane's live version (FOR UPDATE) and return it (NULL: the channel has no lane), for
+-- a writer that holds the ingest key (a policy change, a purge, a queue delete), in place of
+-- the lane's advisory key: such a key is a slot of the server's lock table until commit, and
+-- a queue-wide change over 100,000 channels ran out of them. A dequeue that owns the lane
+-- meanwhile may still serve the version it read; its rewrite (lane_put_v1) then finds the
+-- version locked and writes nothing. A version its owner is replacing right now is waited
+-- for (a dequeue: a short transaction), and its successor locked instead.
+CREATE FUNCTION {schema}.lane_lock_v1(p_queue text, p_channel text) RETURNS {schema}.lane
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_lane {schema}.lane;
+BEGIN
+    LOOP
+        v_lane := {schema}.lane_get_v1(p_queue, p_channel);
+        IF v_lane.id IS NULL THEN
+            RETURN NULL;
+        END IF;
+        PERFORM 1 FROM {schema}.lane l
+        WHERE l.queue = p_queue AND l.channel = p_channel AND l.id = v_lane.id
+        FOR UPDATE;
+        IF FOUND THEN
+            RETURN v_lane;
+        END IF;
+    END LOOP;
 END;
 $$;
 
@@ -2737,8 +2776,7 @@ BEGIN
           AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
           AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
     END IF;
-    PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(p_queue, p_channel));
-    v_lane := {schema}.lane_get_v1(p_queue, p_channel);
+    v_lane := {schema}.lane_lock_v1(p_queue, p_channel);
     IF v_lane.id IS NULL THEN
         RETURN false;
     END IF;
@@ -2975,8 +3013,7 @@ BEGIN
         END IF;
     END LOOP;
     FOR r IN SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1 LOOP
-        PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(p_queue, r.channel));
-        v_lane := {schema}.lane_get_v1(p_queue, r.channel);
+        v_lane := {schema}.lane_lock_v1(p_queue, r.channel);
         IF v_lane.turn_at IS NOT NULL OR cardinality(v_lane.prios) > 0 THEN
             v_lane.turn_at := NULL;
             v_lane.prios := '{{}}';
@@ -3003,7 +3040,7 @@ BEGIN
                                  AND m.locked_until IS NULL) THEN
         RETURN 0;
     END IF;
-    PERFORM pg_advisory_xact_lock({schema}.lane_key_v1(p_queue, l.channel))
+    PERFORM {schema}.lane_lock_v1(p_queue, l.channel)
     FROM (SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1) AS l;
     WITH gone AS (
         DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL

@@ -5,7 +5,6 @@ and held locks in :mod:`.qos`."""
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import math
 import time
@@ -26,7 +25,7 @@ from ..queue.routing import publish_op
 from . import events
 from .acks import Held
 from .headers import delay_ms, make_eta_aware, priority, str_or_none, ttl_ms
-from .interfaces import ChannelLike, Delivery, TransportLike, Where
+from .interfaces import Delivery, TransportLike, Where
 from .qos import QoS
 from .topology import TopologyChannel
 
@@ -376,33 +375,3 @@ class Channel(TopologyChannel):
         if requeue:
             return self.qos.restore_unacked()
         raise NotImplementedError("lonnymq does not support recover(requeue=False)")
-
-
-def deliver(accepted: list[tuple[ChannelLike, list[Delivery]]]) -> int:
-    """Hand what channels accepted from one round of fetches to the consumers: each
-    channel's messages in their order, those of different channels in the order they were
-    created (by id), so that a message published before another is delivered first even
-    when kombu channels of the connection consume them (a Celery revoke, then the task it
-    names). Returns how many were delivered; on an error the rest are given back."""
-    merged = list(
-        heapq.merge(
-            *[[(channel, m, payload) for m, payload in batch] for channel, batch in accepted],
-            key=lambda item: item[1].id,
-        )
-    )
-    if not merged:
-        return 0
-    acks = merged[0][0].connection.acks
-    delivered = 0
-    acks.delivering(True)
-    try:
-        for channel, message, payload in merged:
-            delivered += 1
-            channel.connection._deliver(payload, message.queue)
-    except BaseException:
-        for channel, message, _ in merged[delivered:]:
-            channel.unhold([message])
-        raise
-    finally:
-        acks.delivering(False)
-    return delivered

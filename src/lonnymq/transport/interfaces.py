@@ -19,7 +19,7 @@ from .connection import PgClient, Waiter
 from .headers import QueueArguments
 from .options import Options
 from .registry import Registry
-from .sleep import SleepKeys, Wanted
+from .sleep import SleepKeys
 
 T = TypeVar("T")
 #: where a delivered message came from: (queue, channel, attempts)
@@ -149,16 +149,6 @@ class TransportLike(Protocol):
         """The ``sleep`` keys held on the LISTEN session."""
 
     def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult: ...
-
-    def fetch_jobs(self, wanted: Wanted) -> tuple[list[Job], int | None]: ...
-
-    def run_fetches(self, jobs: list[Job]) -> list[tuple[ChannelLike, DequeueResult]]: ...
-
-    def deliver_fetched(
-        self, results: list[tuple[ChannelLike, DequeueResult]]
-    ) -> tuple[int, int | None, bool]: ...
-
-    def release_fetched(self, results: list[tuple[ChannelLike, DequeueResult]]) -> None: ...
 
     def release(self, held: Iterable[Held]) -> None: ...
 

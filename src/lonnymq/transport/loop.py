@@ -33,6 +33,7 @@ from typing import Any
 
 from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult
+from . import rounds
 from .interfaces import ChannelLike, Job, TransportLike
 from .sleep import Change, Settled, Wanted, sooner
 
@@ -110,7 +111,7 @@ class Fetcher(threading.Thread):
                     settled = transport.sleep.apply(change)
                 if not jobs:
                     transport.send_acks(transport.acks.take())
-                results = transport.run_fetches(jobs)
+                results = rounds.run_fetches(transport, jobs)
             except BaseException as exc:  # raised on the loop's thread
                 error = exc
             with self._cond:
@@ -171,7 +172,7 @@ class LoopConsumer:
         outcome = self.fetcher.stop(timeout=30.0)
         transport = self.transport
         if outcome is not None:
-            transport.release_fetched(outcome[0])
+            rounds.release(transport, outcome[0])
         if self.owner:
             self.owner = False
             try:
@@ -219,7 +220,7 @@ class LoopConsumer:
         outcome = self.fetcher.take()
         if outcome is not None:
             results, error, settled = outcome
-            _, retry_ms, again = transport.deliver_fetched(results)
+            _, retry_ms, again = rounds.deliver(transport, results)
             if again:
                 self.want()  # there may be more
             if settled is not None:
@@ -232,12 +233,12 @@ class LoopConsumer:
             if change is not None and change.take:
                 self.want(change.take)  # look again there once the keys are taken
             # notifications already read? (a control message published before a task: its
-            # channel is fetched in the same round as the task's, see channel.deliver)
+            # channel is fetched in the same round as the task's, see rounds.deliver_in_order)
             self.want(self.waiter.notified(change.consumed if change else self._consumed()))
             jobs: list[Job] = []
             wanted = self._take_wanted()
             if wanted:
-                jobs, wait = transport.fetch_jobs(wanted)
+                jobs, wait = rounds.fetch_jobs(transport, wanted)
                 retry_ms = sooner(retry_ms, wait)
             if jobs or change is not None:
                 self.fetcher.submit(jobs, change)

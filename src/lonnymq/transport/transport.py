@@ -21,13 +21,12 @@ from ..queue._ops import Op, async_commit, run
 from ..queue.dequeue import DequeueResult, dequeue_op
 from ..queue.finalize import defer_op, delete_many_op
 from ..queue.operate import configure_op
-from . import events, url
+from . import events, rounds, url
 from .acks import Ack, AckBuffer, Held
-from .channel import Channel, deliver
+from .channel import Channel
 from .connection import PgClient, Waiter
 from .headers import QueueArguments
 from .heartbeat import Heartbeat
-from .interfaces import ChannelLike, Delivery, Job
 from .loop import LoopConsumer
 from .options import Options
 from .registry import Registry
@@ -130,81 +129,6 @@ class Transport(virtual.Transport):
 
     def consumer_op(self, op: Op[T]) -> Op[T]:
         return async_commit(op) if self.options.consumer_commit == "async" else op
-
-    def fetch_jobs(self, wanted: Wanted) -> tuple[list[Job], int | None]:
-        """The fetches to run now, one per consuming kombu channel that ``wanted`` names
-        and that has room (a channel asleep on its queues is left alone until a NOTIFY for
-        them, its timer or the fallback poll): those that ack first, then those that consume
-        without acks (control, events, replies), so that a task seen implies that a control
-        message published before it is seen too (``channel.deliver`` then delivers them in
-        order); and the ms until a channel waiting for its refill may fetch."""
-        jobs: list[Job] = []
-        retry_ms: int | None = None
-        now = time.monotonic()
-        for channel in sorted(self.channels, key=lambda c: c.acks_nothing):
-            if not self.sleep.wanted(channel, wanted, now):
-                continue
-            if channel._consumers:
-                self._ensure_heartbeat()
-            plan = channel.fetch_plan()
-            if isinstance(plan, int):
-                retry_ms = sooner(retry_ms, plan)
-            elif plan is not None:
-                jobs.append((channel, *plan))
-        return jobs, retry_ms
-
-    def run_fetches(self, jobs: list[Job]) -> list[tuple[ChannelLike, DequeueResult]]:
-        """Run ``jobs`` (each dequeue carries the acks buffered since the last). When one
-        fails, the messages the others brought are released and the error raised."""
-        results: list[tuple[ChannelLike, DequeueResult]] = []
-        try:
-            for channel, queues, limit in jobs:
-                results.append((channel, self.ack_and_dequeue(queues, limit)))
-        except BaseException:
-            self.release_fetched(results)
-            raise
-        return results
-
-    def deliver_fetched(
-        self, results: list[tuple[ChannelLike, DequeueResult]]
-    ) -> tuple[int, int | None, bool]:
-        """Deliver a round of fetches (see ``channel.deliver``). Returns the messages
-        delivered, the ms until something may become available where a fetch found nothing,
-        and whether to fetch again at once (a fetch brought messages, or asked so)."""
-        accepted: list[tuple[ChannelLike, list[Delivery]]] = []
-        retry_ms: int | None = None
-        again = False
-        for i, (channel, result) in enumerate(results):
-            if channel.closed:  # closed while its fetch ran
-                self.release_fetched([(channel, result)])
-                continue
-            try:
-                batch, retry = channel.accept(result)
-            except BaseException:
-                for accepted_channel, accepted_batch in accepted:
-                    accepted_channel.unhold([m for m, _ in accepted_batch])
-                self.release_fetched(results[i + 1 :])
-                raise
-            accepted.append((channel, batch))
-            again = again or bool(batch) or retry == 0
-            if retry is not None:
-                retry_ms = sooner(retry_ms, retry)
-        return deliver(accepted), retry_ms, again
-
-    def release_fetched(self, results: list[tuple[ChannelLike, DequeueResult]]) -> None:
-        """Unlock messages fetched and not delivered (else they come back when their lock
-        expires)."""
-        held = [(m.id, m.lock_token) for _, result in results for m in result.messages]
-        if held:
-            try:
-                self.release(held)
-            except LonnyMQError as exc:
-                logger.warning(
-                    "lonnymq: could not release %d fetched message(s) (%s); they come back "
-                    "when their lock expires",
-                    len(held),
-                    exc,
-                )
 
     @property
     def sleep(self) -> SleepKeys:
@@ -445,8 +369,8 @@ class Transport(virtual.Transport):
             elif self._look_at is not None and not asleep:
                 wanted = Wanted(every=True, awake=True)  # the timer or the fallback poll
             self._look_at = None
-            jobs, retry_ms = self.fetch_jobs(wanted)
-            delivered, retry, again = self.deliver_fetched(self.run_fetches(jobs))
+            jobs, retry_ms = rounds.fetch_jobs(self, wanted)
+            delivered, retry, again = rounds.deliver(self, rounds.run_fetches(self, jobs))
             retry_ms = sooner(retry_ms, retry)
             settled = self.settle_sleep()
             wanted = Wanted(awake=bool(delivered or again))

@@ -1,0 +1,125 @@
+"""A consumer's rounds: which kombu channels to fetch for, the fetches, and the delivery of
+what they brought, for ``drain_events`` (:mod:`.transport`) and Celery's event loop
+(:mod:`.loop`) alike."""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+
+from ..exceptions import LonnyMQError
+from ..queue.dequeue import DequeueResult
+from .interfaces import ChannelLike, Delivery, Job, TransportLike
+from .sleep import Wanted, sooner
+
+logger = logging.getLogger("lonnymq.transport")
+#: what a round of fetches brought: each kombu channel with its dequeue's result
+Fetched = list[tuple[ChannelLike, DequeueResult]]
+
+
+def fetch_jobs(transport: TransportLike, wanted: Wanted) -> tuple[list[Job], int | None]:
+    """The fetches to run now, one per consuming kombu channel that ``wanted`` names
+    and that has room (a channel asleep on its queues is left alone until a NOTIFY for
+    them, its timer or the fallback poll): those that ack first, then those that consume
+    without acks (control, events, replies), so that a task seen implies that a control
+    message published before it is seen too (:func:`deliver_in_order` then delivers them
+    in order); and the ms until a channel waiting for its refill may fetch."""
+    jobs: list[Job] = []
+    retry_ms: int | None = None
+    now = time.monotonic()
+    for channel in sorted(transport.channels, key=lambda c: c.acks_nothing):
+        if not transport.sleep.wanted(channel, wanted, now):
+            continue
+        if channel._consumers:
+            transport._ensure_heartbeat()
+        plan = channel.fetch_plan()
+        if isinstance(plan, int):
+            retry_ms = sooner(retry_ms, plan)
+        elif plan is not None:
+            jobs.append((channel, *plan))
+    return jobs, retry_ms
+
+
+def run_fetches(transport: TransportLike, jobs: list[Job]) -> Fetched:
+    """Run ``jobs`` (each dequeue carries the acks buffered since the last). When one
+    fails, the messages the others brought are released and the error raised."""
+    results: Fetched = []
+    try:
+        for channel, queues, limit in jobs:
+            results.append((channel, transport.ack_and_dequeue(queues, limit)))
+    except BaseException:
+        release(transport, results)
+        raise
+    return results
+
+
+def deliver(transport: TransportLike, results: Fetched) -> tuple[int, int | None, bool]:
+    """Deliver a round of fetches (see :func:`deliver_in_order`). Returns the messages
+    delivered, the ms until something may become available where a fetch found nothing,
+    and whether to fetch again at once (a fetch brought messages, or asked so)."""
+    accepted: list[tuple[ChannelLike, list[Delivery]]] = []
+    retry_ms: int | None = None
+    again = False
+    for i, (channel, result) in enumerate(results):
+        if channel.closed:  # closed while its fetch ran
+            release(transport, [(channel, result)])
+            continue
+        try:
+            batch, retry = channel.accept(result)
+        except BaseException:
+            for accepted_channel, accepted_batch in accepted:
+                accepted_channel.unhold([m for m, _ in accepted_batch])
+            release(transport, results[i + 1 :])
+            raise
+        accepted.append((channel, batch))
+        again = again or bool(batch) or retry == 0
+        if retry is not None:
+            retry_ms = sooner(retry_ms, retry)
+    return deliver_in_order(accepted), retry_ms, again
+
+
+def release(transport: TransportLike, results: Fetched) -> None:
+    """Unlock messages fetched and not delivered (else they come back when their lock
+    expires)."""
+    held = [(m.id, m.lock_token) for _, result in results for m in result.messages]
+    if held:
+        try:
+            transport.release(held)
+        except LonnyMQError as exc:
+            logger.warning(
+                "lonnymq: could not release %d fetched message(s) (%s); they come back "
+                "when their lock expires",
+                len(held),
+                exc,
+            )
+
+
+def deliver_in_order(accepted: list[tuple[ChannelLike, list[Delivery]]]) -> int:
+    """Hand what channels accepted from one round of fetches to the consumers: each
+    channel's messages in their order, those of different channels in the order they were
+    created (by id), so that a message published before another is delivered first even
+    when kombu channels of the connection consume them (a Celery revoke, then the task it
+    names). Returns how many were delivered; on an error the rest are given back."""
+    merged = list(
+        heapq.merge(
+            *[[(channel, m, payload) for m, payload in batch] for channel, batch in accepted],
+            key=lambda item: item[1].id,
+        )
+    )
+    if not merged:
+        return 0
+    acks = merged[0][0].connection.acks
+    delivered = 0
+    acks.delivering(True)
+    try:
+        for channel, message, payload in merged:
+            delivered += 1
+            channel.connection._deliver(payload, message.queue)
+    except BaseException:
+        for channel, message, _ in merged[delivered:]:
+            channel.unhold([message])
+        raise
+    finally:
+        acks.delivering(False)
+    return delivered
