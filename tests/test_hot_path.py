@@ -452,7 +452,9 @@ def test_priorities_delays_requeues_and_expired_locks_keep_their_places(
         names = [f"c{i}" for i in range(channels)]
         for i in range(40):
             queue.channel(names[i % channels]).message.create(conn, f"m{i:02d}")
-        queue.channel(names[0]).message.create(conn, b"delayed", delay_ms=300)
+        # (due after the first drain below, however slow the machine: 1.5 s)
+        queue.channel(names[0]).message.create(conn, b"delayed", delay_ms=1500)
+        due = time.monotonic() + 1.5
         first = queue.dequeue(conn, limit=10, lock_ms=60_000).messages
         lost = queue.dequeue(conn, limit=1, lock_ms=50).messages
         requeued = first[0]
@@ -467,7 +469,8 @@ def test_priorities_delays_requeues_and_expired_locks_keep_their_places(
         if channels == 1:
             assert got[:2] == [lost[0].content, b"urgent"]  # expired lock first, then priority
             assert got[2] == requeued.content  # its old place: before the later ones
-        time.sleep(0.35)
+        assert time.monotonic() < due, "the first drain took longer than the delay"
+        time.sleep(due + 0.05 - time.monotonic())
         assert _drain(queue, conn) == [b"delayed"]
         expected = {f"m{i:02d}".encode() for i in range(40)} - {m.content for m in first[1:]}
         assert set(got) - {b"urgent"} == expected

@@ -150,11 +150,12 @@ def test_a_rate_holds_with_its_burst(broker: lonnymq.Broker, conn: Conn) -> None
     queue = broker.queue("q")
     queue.channel("a").policy.set(conn, rate="20/s", burst=5)
     fill(queue, conn, "a", 200)
-    start = time.monotonic()
     got = drain(broker, conn, ["q"], 2.5)
+    start = got[0][0]  # (the first call of a session compiles the dequeue: 20-40 ms here)
     times = [t - start for t, _ in got]
     # the burst at once, then one every 50 ms
     assert len([t for t in times if t < 0.03]) == 5
+    assert times[5] >= 0.04, times[:6]
     assert max_in_window(times, 1.0) <= 20 + 5
     assert 5 + 20 * 2.5 - 3 <= len(got) <= 5 + 20 * 2.5 + 1
     assert_consistent(conn, broker.schema)
@@ -252,7 +253,8 @@ def test_a_rate_change_applies_within_one_interval(broker: lonnymq.Broker, conn:
     assert next(conn.notifies(timeout=2, stop_after=1), None) is not None
     start = time.monotonic()
     got = drain(broker, conn, ["q"], 1.0)
-    assert got and got[0][0] - start < 0.06
+    # within one interval (50 ms), and the time of the call that delivers it
+    assert got and got[0][0] - start < 0.05 + 0.025, got[0][0] - start
     assert 19 <= len(got) <= 22
 
 
