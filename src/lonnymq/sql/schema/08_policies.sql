@@ -84,40 +84,6 @@ BEGIN
 END;
 $$;
 
--- The free slots of a channel with a max_concurrency, its row locked for the caller (created
--- when missing). NULL when another transaction holds the row (a producer of a limited channel
--- or an ack): the lane waits for a later dequeue rather than this one waiting for it.
-CREATE FUNCTION {schema}.channel_headroom_v1(p_queue text, p_channel text, OUT headroom integer, OUT max_concurrency integer)
-LANGUAGE plpgsql SET lock_timeout = '10ms' SET enable_seqscan = off AS $$
-DECLARE
-    v_current integer;
-BEGIN
-    SELECT l.max_concurrency INTO max_concurrency FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
-    IF max_concurrency IS NULL THEN
-        headroom := 2147483647;
-        RETURN;
-    END IF;
-    SELECT c.current_concurrency INTO v_current FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE SKIP LOCKED;
-    IF FOUND THEN
-        headroom := GREATEST(0, max_concurrency - v_current);
-        RETURN;
-    END IF;
-    headroom := NULL;
-    IF NOT EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel) THEN
-        BEGIN
-            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
-            ON CONFLICT DO NOTHING;
-            IF FOUND THEN
-                headroom := max_concurrency;
-            END IF;
-        EXCEPTION WHEN lock_not_available THEN
-            headroom := NULL;
-        END;
-    END IF;
-END;
-$$;
-
 -- A rate's state at p_now: the emission interval T (p_per_ms / p_count), the theoretical
 -- arrival time of the next delivery (at least p_now; p_tat rescaled when it was reckoned with
 -- another interval: what was owed is kept in deliveries, so a new rate applies within one of
@@ -340,22 +306,6 @@ BEGIN
 END;
 $$;
 
--- Version 1 (clients of schema version 7 and before): the limits, keeping the channel's rate.
-CREATE FUNCTION {schema}.channel_policy_set_v1(
-    p_queue text, p_channel text, p_max_concurrency integer, p_max_size integer
-) RETURNS void
-LANGUAGE plpgsql AS $$
-DECLARE
-    r record;
-BEGIN
-    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
-    SELECT c.own_rate_count, c.own_rate_per_ms, c.own_burst INTO r FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = p_channel AND c.has_policy;
-    PERFORM {schema}.channel_policy_set_v2(p_queue, p_channel, p_max_concurrency, p_max_size,
-                                           r.own_rate_count, r.own_rate_per_ms, r.own_burst);
-END;
-$$;
-
 -- Remove a channel's own policy: it falls back to the queue default.
 CREATE FUNCTION {schema}.channel_policy_clear_v1(p_queue text, p_channel text) RETURNS void
 LANGUAGE plpgsql AS $$
@@ -410,22 +360,6 @@ BEGIN
     IF v_woken THEN
         PERFORM {schema}.wake_v1(p_queue);
     END IF;
-END;
-$$;
-
--- Version 1 (clients of schema version 7 and before): the limits, keeping the queue's rate.
-CREATE FUNCTION {schema}.queue_policy_set_v1(
-    p_queue text, p_max_concurrency integer, p_max_size integer
-) RETURNS void
-LANGUAGE plpgsql AS $$
-DECLARE
-    r record;
-BEGIN
-    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
-    SELECT q.rate_count, q.rate_per_ms, q.burst INTO r FROM {schema}.queue q
-    WHERE q.name = p_queue;
-    PERFORM {schema}.queue_policy_set_v2(p_queue, p_max_concurrency, p_max_size, r.rate_count,
-                                         r.rate_per_ms, r.burst);
 END;
 $$;
 

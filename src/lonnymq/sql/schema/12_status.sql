@@ -107,25 +107,6 @@ LANGUAGE sql STABLE AS $$
     LIMIT p_limit
 $$;
 
--- The channels of a queue, largest first, with their policies and counters (version 1, for
--- clients of schema version 7 and before: channel_list_v2 without the rates).
-CREATE FUNCTION {schema}.channel_list_v1(p_queue text, p_limit integer)
-RETURNS TABLE (
-    channel_name text, size integer, in_flight integer, max_concurrency integer,
-    max_size integer, has_policy boolean, waiting_since timestamptz, served_at timestamptz,
-    enqueued bigint, delivered bigint, acked bigint, deferred bigint, dead bigint,
-    expired bigint, dropped bigint
-)
-LANGUAGE plpgsql AS $$
-BEGIN
-    RETURN QUERY
-    SELECT c.channel_name, c.size, c.in_flight, c.max_concurrency, c.max_size, c.has_policy,
-           c.waiting_since, c.served_at, c.enqueued, c.delivered, c.acked, c.deferred, c.dead,
-           c.expired, c.dropped
-    FROM {schema}.channel_list_v2(p_queue, p_limit) AS c;
-END;
-$$;
-
 -- The channels of a queue, largest first, with their policies (rates too), counters, the
 -- state of their rate: deliveries allowed now (`tokens`) and, when none is, when the next one
 -- is (`next_token_at`); and since when their oldest ready message has been due.

@@ -22,16 +22,7 @@ ALTER FUNCTION {schema}.message_create_many_v1(text[], text[], text[], bytea[], 
 ALTER FUNCTION {schema}.message_publish_v1(text, text, text, text, bytea, integer, bigint, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
-ALTER FUNCTION {schema}.message_dequeue_v1(text[], integer, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-
-ALTER FUNCTION {schema}.message_dequeue_v2(text[], integer, bigint)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-
 ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-
-ALTER FUNCTION {schema}.message_ack_dequeue_v1(bigint[], uuid[], text[], integer, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.sleep_v1(text[], text[], text[])
@@ -50,9 +41,6 @@ ALTER FUNCTION {schema}.message_heartbeat_v1(bigint[], uuid[], bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.message_reject_v1(bigint, uuid, text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-
-ALTER FUNCTION {schema}.channel_policy_set_v1(text, text, integer, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
@@ -74,9 +62,6 @@ ALTER FUNCTION {schema}.rate_held_v1()
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.channel_get_v1(text, text)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-
-ALTER FUNCTION {schema}.queue_policy_set_v1(text, integer, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.queue_purge_v1(text)
@@ -113,9 +98,6 @@ ALTER FUNCTION {schema}.queue_status_v1(boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.horizon_v1(integer)
-    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-
-ALTER FUNCTION {schema}.channel_list_v1(text, integer)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.message_list_v1(text, text, text, bigint, integer)
