@@ -44,7 +44,6 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from importlib import resources
 from multiprocessing.context import SpawnContext
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Barrier
@@ -523,7 +522,7 @@ def build_scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 def provenance() -> dict[str, Any]:
     """Which code was measured: the lonnymq schema SQL's digest and the git state, if any."""
-    schema_sql = resources.files("lonnymq.sql").joinpath("schema.sql").read_bytes()
+    schema_sql = lonnymq.migrator.fresh_install_sql("lonnymq").encode()
     info: dict[str, Any] = {"schema_sql_sha256": hashlib.sha256(schema_sql).hexdigest()}
     root = Path(__file__).resolve().parent.parent
     try:

@@ -133,7 +133,6 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from importlib import resources
 from multiprocessing.context import SpawnContext
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Barrier
@@ -1342,7 +1341,7 @@ def server_info(conn: Conn) -> dict[str, Any]:
 
 def provenance() -> dict[str, Any]:
     """Which code was measured: the lonnymq schema SQL's digest and the git state, if any."""
-    schema_sql = resources.files("lonnymq.sql").joinpath("schema.sql").read_bytes()
+    schema_sql = lonnymq.migrator.fresh_install_sql("lonnymq").encode()
     info: dict[str, Any] = {"schema_sql_sha256": hashlib.sha256(schema_sql).hexdigest()}
     root = Path(__file__).resolve().parent.parent
     try:

@@ -68,7 +68,7 @@ def channel_rows(conn: Conn, schema: str) -> list[str]:
     rows = conn.execute(
         sql.SQL(
             "SELECT c.channel_name FROM {s}.queue q "
-            "CROSS JOIN LATERAL {s}.channel_list_v1(q.name, 10000) AS c ORDER BY 1"
+            "CROSS JOIN LATERAL {s}.channel_list_v3(q.name, 10000, NULL) AS c ORDER BY 1"
         ).format(s=sql.Identifier(schema))
     ).fetchall()
     return [r[0] for r in rows]

@@ -544,7 +544,7 @@ def test_rendered_sql_quotes_the_schema(name: str) -> None:
     assert {"migration", "queue", "channel", "message"} <= set(
         re.findall(rf"CREATE TABLE {re.escape(quoted)}\.(\w+)", fresh_code)
     )
-    assert {"message_create_v1", "message_dequeue_v1"} <= set(
+    assert {"message_create_v1", "message_dequeue_v3"} <= set(
         re.findall(rf"CREATE FUNCTION {re.escape(quoted)}\.(\w+)", fresh_code)
     )
 
@@ -596,9 +596,6 @@ API_FUNCTIONS = {
     "queue_idle_v1",
     "queue_retry_ms_v1",
     "message_dequeue_v3",
-    "message_dequeue_v2",
-    "message_dequeue_v1",
-    "message_ack_dequeue_v1",
     "message_delete_many_v1",
     "message_delete_v1",
     "message_defer_v1",
@@ -607,16 +604,13 @@ API_FUNCTIONS = {
     "message_reject_v1",
     "channel_give_back_v1",
     "channel_apply_v1",
-    "channel_policy_set_v1",
     "channel_policy_set_v2",
     "channel_policy_clear_v1",
-    "queue_policy_set_v1",
     "queue_policy_set_v2",
     "queue_purge_v1",
     "queue_delete_v1",
     "queue_stats_v1",
     "queue_status_v1",
-    "channel_list_v1",
     "channel_list_v2",
     "channel_get_v1",
     "channel_get_v2",
@@ -692,25 +686,6 @@ def test_everything_works_with_an_empty_search_path(
     # nothing due: retry_ms
     empty = queue.dequeue(conn)
     assert not empty and empty.retry_ms is not None
-    # version 1 of dequeue (clients of schema version 2) still answers
-    assert conn.execute(
-        sql.SQL("SELECT count(*) FROM {}.message_dequeue_v1(ARRAY['default'], 1, 1000)").format(
-            sql.Identifier(schema)
-        )
-    ).fetchone() == (1,)
-    # and versions 2 and 4's (clients of schema versions 3 and 4)
-    assert conn.execute(
-        sql.SQL("SELECT count(*) FROM {}.message_dequeue_v2(ARRAY['default'], 1, 1000)").format(
-            sql.Identifier(schema)
-        )
-    ).fetchone() == (1,)
-    assert conn.execute(
-        sql.SQL(
-            "SELECT count(*) FROM "
-            "{}.message_ack_dequeue_v1('{{}}', '{{}}', ARRAY['default'], 1, 1000)"
-        ).format(sql.Identifier(schema))
-    ).fetchone() == (1,)
-
     # dead letters: reject, max_attempts, list, show, retry, remove, settings, housekeeping
     queue.configure(conn, max_attempts=1, dead_retention_ms=60_000)
     a.message.create(conn, b"bad")
@@ -778,14 +753,13 @@ def test_everything_works_with_an_empty_search_path(
     assert listed.rate == lonnymq.Rate(100, 1000) and listed.burst == 2
     assert isinstance(broker.rate_held(conn), list)
     s = sql.Identifier(schema)
-    conn.execute(sql.SQL("SELECT {}.channel_policy_set_v1('default', 'r', 5, NULL)").format(s))
-    assert r.policy.get(conn) == lonnymq.Policy(5, None, lonnymq.Rate(100, 1000), 2)
-    conn.execute(sql.SQL("SELECT {}.queue_policy_set_v1('default', NULL, NULL)").format(s))
+    r.policy.set(conn, max_concurrency=5, rate="100/s", burst=2)
     assert conn.execute(
         sql.SQL("SELECT own_max_concurrency FROM {}.channel_get_v1('default', 'r')").format(s)
     ).fetchone() == (5,)
+    # version 2 of the channel listing (clients of release 0.1.0)
     assert conn.execute(
-        sql.SQL("SELECT max_concurrency FROM {}.channel_list_v1('default', 100)").format(s)
+        sql.SQL("SELECT max_concurrency FROM {}.channel_list_v2('default', 100)").format(s)
         + sql.SQL(" WHERE channel_name = 'r'")
     ).fetchone() == (5,)
     r.policy.clear(conn)
@@ -949,7 +923,8 @@ def test_upgrade_from_version_4_keeps_every_message_and_the_running_workers(
     de-duplicated by name, with their ids, locks and tokens, and keeps the counters. A worker
     of version 4 still running goes on calling the functions of version 4: it acks what it
     held through message_ack_dequeue_v1 and gets the rest; producers of version 4
-    (message_create_v1, message_publish_v1) too."""
+    (message_create_v1, message_publish_v1) too, until migration 12 drops version 4's
+    dequeues (no supported client calls them), which changes nothing else."""
     conn = connect()
     steps = lonnymq.migrations(schema)
     for _, text in steps[:4]:
@@ -982,10 +957,10 @@ def test_upgrade_from_version_4_keeps_every_message_and_the_running_workers(
     assert sorted(bytes(r[3]) for r in held) == [b"a1", b"l1"]
     before = {(r[0], r[1]) for r in call("SELECT id, lock_token FROM {s}.message")}
 
-    for _, text in steps[4:]:  # version 5, and what came after it
+    for _, text in steps[4:11]:  # versions 5 to 11, the last that keeps version 4's dequeues
         with conn.transaction():
             conn.execute(text.encode())
-    assert lonnymq.Broker(schema).check(conn) == CURRENT_VERSION
+    assert call("SELECT max(version) FROM {s}.migration") == [(11,)]
     assert {(r[0], r[1]) for r in call("SELECT id, lock_token FROM {s}.message")} == before
     invariants.assert_consistent(conn, schema)
     broker = lonnymq.Broker(schema)
@@ -1024,6 +999,20 @@ def test_upgrade_from_version_4_keeps_every_message_and_the_running_workers(
         4,
         2,
     )
+    invariants.assert_consistent(conn, schema)
+
+    for _, text in steps[11:]:  # version 12: version 4's dequeues go; nothing else changes
+        with conn.transaction():
+            conn.execute(text.encode())
+    assert broker.check(conn) == CURRENT_VERSION
+    [after] = broker.status(conn)
+    assert after == status
+    gone = call(
+        "SELECT proname FROM pg_catalog.pg_proc WHERE pronamespace = %s::regnamespace "
+        "AND proname IN ('message_dequeue_v2', 'message_ack_dequeue_v1')",
+        schema,
+    )
+    assert gone == []
     invariants.assert_consistent(conn, schema)
 
 

@@ -517,7 +517,7 @@ def test_operating_functions_run_without_jit(broker: lonnymq.Broker, conn: Conn)
     for name in (
         "queue_status_v1",
         "queue_stats_v1",
-        "channel_list_v1",
+        "channel_list_v3",
         "message_list_v1",
         "message_get_v1",
         "message_remove_v1",

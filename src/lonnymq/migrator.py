@@ -1,7 +1,8 @@
 """Install and upgrade the lonnymq schema.
 
-The SQL lives in ``lonnymq/sql``: ``schema.sql`` is the full current schema (used for a fresh
-install) and ``migrations/NNNN_name.sql`` are the numbered steps from one version to the next.
+The SQL lives in ``lonnymq/sql``: ``schema/NN_family.sql`` is the full current schema, one file
+per family of operations read in the order of their numbers (a fresh install), and
+``migrations/NNNN_name.sql`` are the numbered steps from one version to the next.
 A test checks that a fresh install and the replayed migrations give the same database.
 
 Every statement is qualified with the configured schema by ``psycopg.sql`` composition. Applied
@@ -67,8 +68,21 @@ class Migration:
     template: str
 
 
-def _read(path: str) -> str:
-    return resources.files("lonnymq.sql").joinpath(path).read_text(encoding="utf-8")
+_SCHEMA_FILE_RE = re.compile(r"\d{2}_[a-z0-9_]+\.sql")
+
+
+@cache
+def _schema_text() -> str:
+    """The current schema: the files of ``sql/schema``, in the order of their numbers."""
+    folder = resources.files("lonnymq.sql").joinpath("schema")
+    parts = sorted(
+        (entry.name, entry.read_text(encoding="utf-8"))
+        for entry in folder.iterdir()
+        if _SCHEMA_FILE_RE.fullmatch(entry.name)
+    )
+    if not parts:
+        raise RuntimeError("lonnymq's schema files are missing")  # packaging bug
+    return "\n".join(text for _, text in parts)
 
 
 @cache
@@ -124,7 +138,7 @@ def migrations(schema: str = DEFAULT_SCHEMA) -> list[tuple[str, str]]:
 def fresh_install_sql(schema: str = DEFAULT_SCHEMA) -> str:
     """The SQL of a fresh install at the current version (the full schema)."""
     return (
-        render(_read("schema.sql"), schema).as_string()
+        render(_schema_text(), schema).as_string()
         + "\n"
         + _record(schema, _migration_files()).as_string()
     )
@@ -138,7 +152,7 @@ _OBJECT_RE = re.compile(
 @cache
 def expected_objects() -> tuple[tuple[str, str], ...]:
     """``(kind, name)`` of every table, index and function of the current schema."""
-    return tuple((kind.lower(), name) for kind, name in _OBJECT_RE.findall(_read("schema.sql")))
+    return tuple((kind.lower(), name) for kind, name in _OBJECT_RE.findall(_schema_text()))
 
 
 def missing_objects(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
@@ -158,7 +172,7 @@ def missing_objects(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA)
 def repair_sql(schema: str = DEFAULT_SCHEMA) -> str:
     """The current schema as idempotent SQL: creates what is missing, keeps tables and their
     rows, replaces the functions with their current definitions."""
-    text = _read("schema.sql")
+    text = _schema_text()
     text = re.sub(r"^CREATE TABLE ", "CREATE TABLE IF NOT EXISTS ", text, flags=re.MULTILINE)
     text = re.sub(
         r"^CREATE (UNIQUE )?INDEX ", r"CREATE \1INDEX IF NOT EXISTS ", text, flags=re.MULTILINE

@@ -53,10 +53,7 @@ _PRODUCER = (
 )
 _WORKER = (
     *_PRODUCER,
-    "message_dequeue_v1",
-    "message_dequeue_v2",
     "message_dequeue_v3",
-    "message_ack_dequeue_v1",
     "sleep_v1",
     "message_reject_v1",
     "housekeep_v1",
@@ -71,17 +68,14 @@ _WORKER = (
 )
 _ADMIN = (
     *_WORKER,
-    "channel_policy_set_v1",
     "channel_policy_set_v2",
     "channel_policy_clear_v1",
     "channel_get_v1",
     "channel_get_v2",
-    "queue_policy_set_v1",
     "queue_policy_set_v2",
     "queue_purge_v1",
     "queue_delete_v1",
     "exchange_delete_v1",
-    "channel_list_v1",
     "channel_list_v2",
     "channel_list_v3",
     "message_list_v1",

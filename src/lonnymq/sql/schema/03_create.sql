@@ -1,0 +1,258 @@
+-- lonnymq's current schema, one family of it: the files of this folder are read in the order of
+-- their numbers for a fresh install (README.md beside them: the model, the placeholders
+-- {{schema}}, {{wake}} and {{lock_prefix}}).
+
+-- ---------------------------------------------------------------------------------------------
+-- 3. Create
+-- ---------------------------------------------------------------------------------------------
+
+-- Create a message in a channel with a max_size in force: producers of that channel take
+-- turns on its row (until their transactions end). A producer waits at most 5 s for another
+-- one's open transaction, then fails with SQLSTATE LM002 (lonnymq.ChannelBusy).
+CREATE FUNCTION {schema}.message_create_sized_v1(
+    p_queue text, p_channel text, p_name text, p_content bytea, p_priority integer,
+    p_delay_ms bigint, p_ttl_ms bigint, OUT result_code text, OUT message_id bigint
+)
+LANGUAGE plpgsql SET lock_timeout = '5s' SET enable_seqscan = off AS $$
+DECLARE
+    v_row {schema}.channel;
+    v_max integer;
+    v_at timestamptz;
+BEGIN
+    BEGIN
+        LOOP
+            SELECT * INTO v_row FROM {schema}.channel c
+            WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+            EXIT WHEN FOUND;
+            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+            ON CONFLICT DO NOTHING;
+        END LOOP;
+    EXCEPTION WHEN lock_not_available THEN
+        RAISE EXCEPTION USING ERRCODE = 'LM002',
+            MESSAGE = format('channel %L of queue %L has a max_size, and another transaction '
+                             'creating in it has been open for more than 5 s', p_channel, p_queue),
+            HINT = 'producers of a channel with a max_size take turns until they commit: keep '
+                   'their transactions short';
+    END;
+    -- the limit now that the row is ours (a policy may have changed meanwhile)
+    SELECT l.max_size INTO v_max FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
+    IF p_name IS NOT NULL THEN
+        SELECT m.id INTO message_id FROM {schema}.message m
+        WHERE m.queue = p_queue AND m.channel = p_channel AND m.name = p_name AND m.attempts = 0;
+        IF message_id IS NOT NULL THEN
+            result_code := 'deduplicated';
+            RETURN;
+        END IF;
+    END IF;
+    IF v_max IS NOT NULL AND v_row.current_size >= v_max THEN
+        result_code := 'dropped';
+        INSERT INTO {schema}.tally (queue, channel, dropped) VALUES (p_queue, p_channel, 1);
+        -- a row created by this call and left empty must not linger
+        IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
+           AND NOT v_row.freed AND (v_row.rate_tat IS NULL OR v_row.rate_tat <= clock_timestamp()) THEN
+            DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
+        END IF;
+        RETURN;
+    END IF;
+    v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';
+    INSERT INTO {schema}.message
+        (queue, channel, priority, sized, txid, dequeue_at, expires_at, name, content)
+    VALUES (p_queue, p_channel, p_priority, v_max IS NOT NULL, pg_current_xact_id(), v_at,
+            v_at + p_ttl_ms * interval '1 millisecond', p_name, p_content)
+    RETURNING id INTO message_id;
+    IF v_max IS NOT NULL THEN
+        UPDATE {schema}.channel c SET current_size = c.current_size + 1
+        WHERE c.queue = p_queue AND c.name = p_channel;
+    ELSIF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
+          AND NOT v_row.freed AND (v_row.rate_tat IS NULL OR v_row.rate_tat <= clock_timestamp()) THEN
+        DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
+    END IF;
+    result_code := 'created';
+END;
+$$;
+
+-- Create a message. result_code: 'created', 'deduplicated' (message_id is the existing one)
+-- or 'dropped' (the channel is at max_size). p_ttl_ms (NULL: none): the message is dropped
+-- if not dequeued within that time after it is due. In a channel without a max_size it is
+-- one INSERT: no row is locked, so no other producer waits for this transaction (one with
+-- the same de-duplication name waits for it, as for any unique key).
+CREATE FUNCTION {schema}.message_create_v1(
+    p_queue text,
+    p_channel text,
+    p_name text,
+    p_content bytea,
+    p_priority integer,
+    p_delay_ms bigint,
+    p_ttl_ms bigint,
+    OUT result_code text,
+    OUT message_id bigint
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_max_size integer;
+    v_max_priority integer;
+    v_at timestamptz;
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared({schema}.queue_key_v1('produce', p_queue));
+    SELECT CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END, q.max_priority
+    INTO v_max_size, v_max_priority
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
+    -- a queue declared with a max_priority (x-max-priority) takes higher ones as it, as
+    -- RabbitMQ does
+    IF p_priority > v_max_priority THEN
+        p_priority := v_max_priority;
+    END IF;
+    IF v_max_size IS NOT NULL THEN
+        SELECT s.result_code, s.message_id INTO result_code, message_id
+        FROM {schema}.message_create_sized_v1(p_queue, p_channel, p_name, p_content,
+            p_priority, p_delay_ms, p_ttl_ms) AS s;
+        IF result_code = 'created' THEN
+            PERFORM {schema}.wake_v1(p_queue);
+        END IF;
+        RETURN;
+    END IF;
+    LOOP
+        v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';
+        INSERT INTO {schema}.message (queue, channel, priority, txid, dequeue_at, expires_at, name, content)
+        VALUES (p_queue, p_channel, p_priority, pg_current_xact_id(), v_at,
+                v_at + p_ttl_ms * interval '1 millisecond', p_name, p_content)
+        ON CONFLICT (queue, channel, name) WHERE name IS NOT NULL AND attempts = 0 DO NOTHING
+        RETURNING id INTO message_id;
+        EXIT WHEN message_id IS NOT NULL;
+        SELECT m.id INTO message_id FROM {schema}.message m
+        WHERE m.queue = p_queue AND m.channel = p_channel AND m.name = p_name AND m.attempts = 0;
+        IF message_id IS NOT NULL THEN
+            result_code := 'deduplicated';
+            RETURN;
+        END IF;
+        -- the other one was dequeued meanwhile: create after all
+    END LOOP;
+    result_code := 'created';
+    PERFORM {schema}.wake_v1(p_queue);
+END;
+$$;
+
+-- Create many messages (a batch) in as few statements as the semantics allow. Rows of
+-- channels with a max_size in force go first, one by one through message_create_sized_v1 in
+-- (queue, channel, name) order (concurrent batches lock channel rows in one order); the
+-- others are one INSERT, in (queue, channel, name) order too (de-duplication waits come in
+-- one order), their ids drawn beforehand in input order. A later row with the name of an
+-- earlier one of its channel is 'deduplicated'. One result per input row, by its position.
+CREATE FUNCTION {schema}.message_create_many_v1(
+    p_queues text[], p_channels text[], p_names text[], p_contents bytea[],
+    p_priorities integer[], p_delays bigint[], p_ttls bigint[]
+)
+RETURNS TABLE (ord integer, result_code text, message_id bigint)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_queue text;
+    v_sized integer[];
+    v_codes text[];
+    v_ids bigint[];
+    v_n integer[];
+    v_id bigint[];
+    v_made boolean[];
+    v_code text;
+    v_id1 bigint;
+    r record;
+    i integer;
+BEGIN
+    IF coalesce(cardinality(p_queues), 0) = 0 THEN
+        RETURN;
+    END IF;
+    IF EXISTS (SELECT 1 FROM {schema}.queue q
+               WHERE q.name = ANY (p_queues) AND q.max_priority IS NOT NULL) THEN
+        -- priorities above a queue's max_priority are taken as it (see message_create_v1)
+        p_priorities := ARRAY(
+            SELECT least(i.prio, q.max_priority)
+            FROM unnest(p_queues, p_priorities) WITH ORDINALITY AS i(q, prio, n)
+            LEFT JOIN {schema}.queue q ON q.name = i.q
+            ORDER BY i.n);
+    END IF;
+    v_codes := array_fill(NULL::text, ARRAY[cardinality(p_queues)]);
+    v_ids := array_fill(NULL::bigint, ARRAY[cardinality(p_queues)]);
+    FOR v_queue IN SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) ORDER BY u.q LOOP
+        PERFORM pg_advisory_xact_lock_shared({schema}.queue_key_v1('produce', v_queue));
+    END LOOP;
+    v_sized := ARRAY(
+        SELECT i.n FROM unnest(p_queues, p_channels) WITH ORDINALITY AS i(q, c, n)
+        CROSS JOIN LATERAL {schema}.channel_limits_v1(i.q, i.c) AS l
+        WHERE l.max_size IS NOT NULL
+    );
+    FOR r IN
+        SELECT i.n, i.q, i.c, i.name, i.content, i.prio, i.delay, i.ttl
+        FROM unnest(p_queues, p_channels, p_names, p_contents, p_priorities, p_delays, p_ttls)
+            WITH ORDINALITY AS i(q, c, name, content, prio, delay, ttl, n)
+        WHERE i.n = ANY (v_sized)
+        ORDER BY i.q, i.c, i.name NULLS FIRST, i.n
+    LOOP
+        SELECT s.result_code, s.message_id INTO v_code, v_id1
+        FROM {schema}.message_create_sized_v1(r.q, r.c, r.name, r.content, r.prio, r.delay,
+            r.ttl) AS s;
+        v_codes[r.n] := v_code;
+        v_ids[r.n] := v_id1;
+    END LOOP;
+    WITH input AS (
+        SELECT i.n, i.q, i.c, i.name, i.content, i.prio,
+               nextval('{schema}.message_id_seq') AS id,
+               clock_timestamp() + i.delay * interval '1 millisecond' AS at, i.ttl
+        FROM unnest(p_queues, p_channels, p_names, p_contents, p_priorities, p_delays, p_ttls)
+            WITH ORDINALITY AS i(q, c, name, content, prio, delay, ttl, n)
+        WHERE i.n <> ALL (v_sized)
+    ), made AS (
+        INSERT INTO {schema}.message
+            (id, queue, channel, priority, txid, dequeue_at, expires_at, name, content)
+        OVERRIDING SYSTEM VALUE
+        SELECT x.id, x.q, x.c, x.prio, pg_current_xact_id(), x.at,
+               x.at + x.ttl * interval '1 millisecond', x.name, x.content
+        FROM input x ORDER BY x.q, x.c, x.name NULLS FIRST, x.n
+        ON CONFLICT (queue, channel, name) WHERE name IS NOT NULL AND attempts = 0 DO NOTHING
+        RETURNING id
+    )
+    SELECT array_agg(x.n ORDER BY x.n), array_agg(x.id ORDER BY x.n),
+           array_agg(m.id IS NOT NULL ORDER BY x.n)
+    INTO v_n, v_id, v_made
+    FROM input x LEFT JOIN made m ON m.id = x.id;
+    FOR i IN 1 .. coalesce(cardinality(v_n), 0) LOOP
+        IF v_made[i] THEN
+            v_codes[v_n[i]] := 'created';
+            v_ids[v_n[i]] := v_id[i];
+        END IF;
+    END LOOP;
+    -- the others were de-duplicated: by the waiting message of their name (created before,
+    -- or earlier in this batch, which this statement sees)
+    FOR r IN
+        SELECT u.n, e.id
+        FROM unnest(v_n, v_made) AS u(n, made)
+        LEFT JOIN LATERAL (
+            SELECT m.id FROM {schema}.message m
+            WHERE m.queue = p_queues[u.n] AND m.channel = p_channels[u.n]
+              AND m.name = p_names[u.n] AND m.attempts = 0
+        ) AS e ON true
+        WHERE NOT u.made
+    LOOP
+        IF r.id IS NOT NULL THEN
+            v_codes[r.n] := 'deduplicated';
+            v_ids[r.n] := r.id;
+        ELSE
+            -- the one of that name was dequeued meanwhile: create after all
+            SELECT c.result_code, c.message_id INTO v_code, v_id1
+            FROM {schema}.message_create_v1(p_queues[r.n], p_channels[r.n], p_names[r.n],
+                p_contents[r.n], p_priorities[r.n], p_delays[r.n], p_ttls[r.n]) AS c;
+            v_codes[r.n] := v_code;
+            v_ids[r.n] := v_id1;
+        END IF;
+    END LOOP;
+    FOR v_queue IN
+        SELECT DISTINCT u.q FROM unnest(p_queues, v_codes) AS u(q, code)
+        WHERE u.code = 'created' ORDER BY u.q
+    LOOP
+        PERFORM {schema}.wake_v1(v_queue);
+    END LOOP;
+    RETURN QUERY SELECT u.n::integer, u.code, u.id
+        FROM unnest(v_codes, v_ids) WITH ORDINALITY AS u(code, id, n) ORDER BY u.n;
+END;
+$$;
+

@@ -1,0 +1,737 @@
+-- lonnymq's current schema, one family of it: the files of this folder are read in the order of
+-- their numbers for a fresh install (README.md beside them: the model, the placeholders
+-- {{schema}}, {{wake}} and {{lock_prefix}}).
+
+-- ---------------------------------------------------------------------------------------------
+-- 6. Dequeue
+-- ---------------------------------------------------------------------------------------------
+
+-- Producers of a queue whose transactions are still open (they hold its 'produce' key)?
+CREATE FUNCTION {schema}.queue_idle_v1(p_queue text) RETURNS boolean
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_key bigint := {schema}.queue_key_v1('produce', p_queue);
+BEGIN
+    IF pg_try_advisory_lock(v_key) THEN
+        PERFORM pg_advisory_unlock(v_key);
+        RETURN true;
+    END IF;
+    RETURN false;
+END;
+$$;
+
+-- Milliseconds until something in the given queues may become available: a lane's turn (a
+-- delayed message falling due) or a lock expiring (from the ingest's hint). NULL when nothing
+-- is pending.
+CREATE FUNCTION {schema}.queue_retry_ms_v1(p_queues text[], p_d {schema}.discovery) RETURNS bigint
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_next timestamptz;
+BEGIN
+    SELECT LEAST(
+        (SELECT min(w.at) FROM unnest(p_queues) AS u(q) CROSS JOIN LATERAL (
+            SELECT l.turn_at AS at FROM {schema}.lane l
+            WHERE l.queue = u.q
+              AND l.turn_at >= coalesce(p_d.turn_from[array_position(p_d.queues, u.q)], '-infinity')
+            ORDER BY l.turn_at LIMIT 1) AS w),
+        (SELECT min(p_d.lock_next[array_position(p_d.queues, u.q)]) FROM unnest(p_queues) AS u(q))
+    ) INTO v_next;
+    IF v_next IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN GREATEST(0, ceil(extract(epoch FROM v_next - v_now) * 1000))::bigint;
+END;
+$$;
+
+-- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms; with
+-- p_ack_ids/p_ack_tokens, delete those held messages first (a consumer's acks travel with
+-- its next dequeue: rows 'ack_state_invalid' / 'ack_not_found' for those that did not
+-- apply). Messages whose lock expired come first (their holder is gone); then lanes whose
+-- turn it is are served round-robin, the one waiting longest first, an equal share each,
+-- within a channel's max_concurrency; within a lane, highest priority, then earliest due,
+-- then oldest. Rows come back in delivery order. When nothing is available, one row comes
+-- back with message_id NULL and retry_ms: milliseconds until something may become available
+-- (NULL: nothing is pending). With p_listen, a caller that gets nothing is registered as
+-- sleeping on its queues until its next call: their producers then send a NOTIFY. A message
+-- delivered max_attempts times already (of its queue) goes to the dead letters instead and
+-- comes back as a row with event 'dead'; a delivered message's event is 'delivered', or
+-- 'redelivered' when its previous lock had expired.
+--
+-- Nothing here waits for another transaction: a consumer owns a lane for its call when it
+-- gets the lane's advisory key (it then moves the lane to the back and its positions past
+-- what it took); a lane owned by another consumer is served too, without being written,
+-- unless it has a max_concurrency (whose count is under the channel row, locked by its owner).
+CREATE FUNCTION {schema}.message_dequeue_v3(
+    p_queues text[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
+    p_ack_tokens uuid[], p_listen boolean
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_lock_until timestamptz;
+    v_lock_id bigint;
+    v_d {schema}.discovery;
+    v_ingested boolean := false;
+    v_slept boolean := false;
+    v_waited boolean := false;
+    v_qi integer;
+    v_rows integer;
+    v_busy boolean := false;
+    v_got integer := 0;
+    v_left integer;
+    v_n integer;
+    v_k integer;
+    r record;
+    v_keys text;
+    -- events for the tally: queue, channel, kind
+    e_q text[] := ARRAY[]::text[];
+    e_c text[] := ARRAY[]::text[];
+    e_k text[] := ARRAY[]::text[];
+    -- acks
+    v_gone bigint[];
+    v_gq text[];
+    v_gc text[];
+    v_gs boolean[];
+    v_gl boolean[];
+    -- queues
+    v_qn text[];
+    v_qmax integer[];
+    v_qtf timestamptz[];
+    v_qlf timestamptz[];
+    v_expired boolean;
+    v_relock bigint[];
+    v_poison bigint[];
+    -- lanes, and per lane: owned, cap, max_concurrency, taken, more due, done
+    v_cands {schema}.lane[];
+    v_own boolean[];
+    v_cap integer[];
+    v_room integer[];
+    v_max integer[];
+    -- rated lanes: emission interval, burst, tat (at least now) and tokens when the call began
+    v_rt interval[];
+    v_burst integer[];
+    v_tat timestamptz[];
+    v_tok integer[];
+    v_wait timestamptz;
+    v_taken integer[];
+    v_more boolean[];
+    v_done boolean[];
+    v_open integer;
+    v_share integer;
+    v_passes integer;
+    v_lanes integer[];
+    v_quota integer[];
+    -- a pass's heads: id, lane, rank in lane
+    h_id bigint[];
+    h_lane integer[];
+    h_rn integer[];
+    v_take bigint[];
+    v_slotted bigint[];
+    v_locked bigint[];
+    v_served timestamptz;
+    v_lane {schema}.lane;
+    v_next record;
+    v_retry bigint;
+    v_snap pg_snapshot;
+    v_dead integer := 0;
+    i integer;
+BEGIN
+    -- 0. a caller that slept (it found nothing last time) is awake again
+    v_keys := current_setting('lonnymq.sleeping', true);
+    IF v_keys IS NOT NULL AND v_keys <> '' THEN
+        PERFORM pg_advisory_unlock_shared(k.key)
+        FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key)
+        WHERE EXISTS (
+            SELECT 1 FROM pg_catalog.pg_locks l
+            WHERE l.pid = pg_backend_pid() AND l.locktype = 'advisory' AND l.objsubid = 1
+              AND l.mode = 'ShareLock' AND l.granted
+              AND l.classid::bigint = (k.key >> 32) & 4294967295
+              AND l.objid::bigint = k.key & 4294967295);
+        PERFORM set_config('lonnymq.sleeping', '', false);
+    END IF;
+
+    -- 1. acks
+    IF coalesce(cardinality(p_ack_ids), 0) > 0 THEN
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id = ANY (p_ack_ids)
+              AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+            RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+        )
+        SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
+               array_agg(g.slotted)
+        INTO v_gone, v_gq, v_gc, v_gs, v_gl FROM gone g;
+        IF v_gone IS NOT NULL THEN
+            e_q := v_gq;
+            e_c := v_gc;
+            e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
+            IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
+                FOR r IN
+                    SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
+                           count(*) FILTER (WHERE u.l)::integer AS l
+                    FROM unnest(v_gq, v_gc, v_gs, v_gl) AS u(q, c, s, l)
+                    WHERE u.s OR u.l GROUP BY u.q, u.c ORDER BY u.q, u.c
+                LOOP
+                    PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
+                END LOOP;
+            END IF;
+        END IF;
+        IF coalesce(cardinality(v_gone), 0) < cardinality(p_ack_ids) THEN
+            RETURN QUERY
+                SELECT h.id, NULL::text, NULL::text, NULL::text, NULL::smallint, NULL::integer,
+                       NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint,
+                       CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                            THEN 'ack_state_invalid' ELSE 'ack_not_found' END
+                FROM unnest(p_ack_ids) AS h(id)
+                WHERE h.id <> ALL (coalesce(v_gone, ARRAY[]::bigint[]));
+        END IF;
+    END IF;
+
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    LOOP
+        -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
+        --    points from which lanes are read past the versions consumers superseded
+        --    meanwhile: dead rows that a snapshot held elsewhere keeps from being vacuumed),
+        --    and below when this call finds nothing in what is ingested. Not at every call:
+        --    an ingest costs several times a delivery, and with messages waiting a consumer
+        --    has no need of the newest ones.
+        IF NOT v_ingested AND current_setting('lonnymq.fresh', true) = 'on' THEN
+            PERFORM set_config('lonnymq.fresh', '', false);
+            v_d := {schema}.ingest_wait_v1(p_queues);
+            v_ingested := true;
+            v_now := clock_timestamp();
+        ELSIF NOT v_ingested
+           AND (v_d.taken_at < v_now - interval '10 milliseconds'
+                OR v_d.folded_at < v_now - interval '1 second'
+                OR NOT (p_queues <@ v_d.queues)
+                -- (heads an ingest could not write, their lane being served: soon, not at
+                -- once, or a busy lane would have every call ingest)
+                OR (cardinality(v_d.pend_queue) > 0
+                    AND v_d.taken_at < v_now - interval '5 milliseconds')) THEN
+            v_d := {schema}.ingest_v1(p_queues, false, false);
+            v_ingested := true;
+            v_now := clock_timestamp();
+        END IF;
+
+        -- the queues, their settings and positions; is there a lock past its expiry?
+        -- (Every statement's plan is set up again in each transaction, aggregates and sorts
+        -- most of all: the usual cases, one queue and one lane, take statements without.)
+        IF cardinality(p_queues) = 1 THEN
+            v_qi := array_position(v_d.queues, p_queues[1]);
+            SELECT ARRAY[q.name::text], ARRAY[coalesce(q.max_attempts, 2147483647)],
+                   ARRAY[coalesce(v_d.turn_from[v_qi], '-infinity')],
+                   ARRAY[coalesce(v_d.lock_from[v_qi], '-infinity')],
+                   -- (the first one in lock order, from the queue's lock position: an EXISTS
+                   -- loses the order, and was planned as a read of the whole locked index)
+                   (SELECT e.locked_until FROM {schema}.message e
+                    WHERE e.queue = p_queues[1]
+                      AND e.locked_until >= coalesce(v_d.lock_from[v_qi], '-infinity')
+                      AND e.locked_until <= v_now
+                    ORDER BY e.queue, e.locked_until LIMIT 1) IS NOT NULL
+            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+            FROM {schema}.queue q WHERE q.name = p_queues[1];
+        ELSE
+            SELECT array_agg(q.name ORDER BY q.name),
+                   array_agg(coalesce(q.max_attempts, 2147483647) ORDER BY q.name),
+                   array_agg(coalesce(v_d.turn_from[array_position(v_d.queues, q.name)],
+                                      '-infinity') ORDER BY q.name),
+                   array_agg(coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                      '-infinity') ORDER BY q.name),
+                   coalesce(bool_or(x.found), false)
+            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+            FROM {schema}.queue q
+            LEFT JOIN LATERAL (
+                SELECT true AS found FROM {schema}.message e
+                WHERE e.queue = q.name
+                  AND e.locked_until >= coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                                 '-infinity')
+                  AND e.locked_until <= v_now
+                ORDER BY e.locked_until LIMIT 1
+            ) AS x ON true
+            WHERE q.name = ANY (p_queues);
+        END IF;
+        v_left := p_limit - v_got;
+
+        -- 3. messages whose lock expired: they still count against their channel's
+        --    concurrency and are taken over without touching any lane
+        IF v_expired AND v_left > 0 THEN
+            v_relock := ARRAY(
+                SELECT x.id FROM unnest(v_qn, v_qlf) AS u(q, lf)
+                CROSS JOIN LATERAL (
+                    SELECT e.id, e.locked_until FROM {schema}.message e
+                    WHERE e.queue = u.q AND e.locked_until >= u.lf AND e.locked_until <= v_now
+                    ORDER BY e.locked_until LIMIT v_left
+                    FOR UPDATE SKIP LOCKED
+                ) AS x
+                ORDER BY x.locked_until LIMIT v_left);
+            -- delivered max_attempts times already, its holder dying each time: a poison
+            -- message, dead-lettered instead
+            v_poison := ARRAY(
+                SELECT m.id FROM {schema}.message m
+                WHERE m.id = ANY (v_relock) AND m.attempts >= v_qmax[array_position(v_qn, m.queue)]
+                ORDER BY m.id);
+            IF cardinality(v_poison) > 0 THEN
+                FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+                    v_dead := v_dead + 1;
+                    e_q := e_q || r.queue_name || r.queue_name;
+                    e_c := e_c || r.channel_name || r.channel_name;
+                    e_k := e_k || 'dead'::text || 'dead_held'::text;
+                    RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
+                        NULL::smallint, r.message_attempts, NULL::uuid, r.message_created_at,
+                        NULL::bytea, NULL::bytea, NULL::bigint, 'dead'::text;
+                END LOOP;
+            END IF;
+            FOR r IN
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1
+                WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)
+                RETURNING m.*
+            LOOP
+                e_q := e_q || r.queue || r.queue;
+                e_c := e_c || r.channel || r.channel;
+                e_k := e_k || 'delivered'::text || 'redelivered'::text;
+                v_got := v_got + 1;
+                IF v_lock_until IS NULL OR r.locked_until < v_lock_until THEN
+                    v_lock_until := r.locked_until;
+                    v_lock_id := r.id;
+                END IF;
+                RETURN QUERY SELECT r.id, r.queue::text, r.channel::text, r.name, r.priority,
+                    r.attempts, r.lock_token, r.created_at, r.content, r.state, NULL::bigint,
+                    'redelivered'::text;
+            END LOOP;
+            v_left := p_limit - v_got;
+        END IF;
+
+        -- 4. lanes whose turn it is, oldest turn first (one more than needed, to know
+        --    whether another one waits)
+        v_n := 0;
+        IF v_left > 0 AND v_qn IS NOT NULL THEN
+            -- (the ingest's state is read again in the same statement: a lane version is
+            -- never newer than the snapshot its positions are read with)
+            -- (due: at most a millisecond from now, so that a lane another consumer has
+            -- just moved to the back, at its clock, is due for this one too)
+            v_now := clock_timestamp();
+            IF cardinality(v_qn) = 1 THEN
+                SELECT ARRAY(
+                    SELECT l FROM {schema}.lane l
+                    WHERE l.queue = v_qn[1] AND l.turn_at >= v_qtf[1]
+                      AND l.turn_at <= v_now + interval '1 millisecond'
+                    ORDER BY l.turn_at, l.id LIMIT v_left + 1),
+                    (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+                INTO v_cands, v_snap;
+            ELSE
+                SELECT ARRAY(
+                    SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
+                    CROSS JOIN LATERAL (
+                        SELECT l FROM {schema}.lane l
+                        WHERE l.queue = u.q AND l.turn_at >= u.tf
+                          AND l.turn_at <= v_now + interval '1 millisecond'
+                        ORDER BY l.turn_at, l.id LIMIT v_left + 1
+                    ) AS x
+                    ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
+                    (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+                INTO v_cands, v_snap;
+            END IF;
+            v_d.snap := v_snap;
+            v_n := LEAST(cardinality(v_cands), v_left);
+        END IF;
+        IF v_n > 0 THEN
+            v_own := array_fill(false, ARRAY[v_n]);
+            v_cap := array_fill(0, ARRAY[v_n]);
+            v_room := array_fill(NULL::integer, ARRAY[v_n]);
+            v_max := array_fill(NULL::integer, ARRAY[v_n]);
+            -- (rated lanes only: filled as they are met, NULL elsewhere)
+            v_rt := NULL;
+            v_burst := NULL;
+            v_tat := NULL;
+            v_tok := NULL;
+            v_taken := array_fill(0, ARRAY[v_n]);
+            v_more := array_fill(false, ARRAY[v_n]);
+            v_done := array_fill(false, ARRAY[v_n]);
+            FOR i IN 1 .. v_n LOOP
+                v_own[i] := pg_try_advisory_xact_lock(
+                    {schema}.lane_key_v1((v_cands[i]).queue, (v_cands[i]).channel));
+                IF NOT (v_cands[i]).limited THEN
+                    v_cap[i] := v_left;
+                ELSIF v_own[i] THEN
+                    SELECT h.* INTO r
+                    FROM {schema}.channel_headroom_v2((v_cands[i]).queue, (v_cands[i]).channel,
+                                                      v_now) AS h;
+                    IF r.headroom IS NULL THEN
+                        -- its channel row is busy (an open transaction of a producer of a
+                        -- channel with a max_size, or of an ack): not served this time, and
+                        -- its turn a little later, so that it does not hold back the point
+                        -- from which the lanes are read (which would then walk every lane
+                        -- version written meanwhile)
+                        v_own[i] := false;
+                        v_lane := v_cands[i];
+                        v_lane.turn_at := GREATEST(v_lane.turn_at,
+                                                   clock_timestamp() + interval '10 milliseconds');
+                        IF EXISTS (SELECT 1 FROM {schema}.lane l
+                                   WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
+                                     AND l.id = v_lane.id) THEN
+                            PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
+                        END IF;
+                    ELSE
+                        v_room[i] := r.room;
+                        v_cap[i] := LEAST(r.headroom, v_left);
+                        v_max[i] := r.max_concurrency;
+                        v_rt[i] := r.rate_interval;
+                        v_burst[i] := r.burst;
+                        v_tat[i] := r.tat;
+                        v_tok[i] := r.tokens;
+                    END IF;
+                END IF;
+            END LOOP;
+            -- passes: an equal share of what is left to each lane that may give more
+            v_passes := 0;
+            LOOP
+                v_passes := v_passes + 1;
+                IF v_n = 1 THEN
+                    v_lanes := CASE WHEN NOT v_done[1] AND v_cap[1] > v_taken[1]
+                                    THEN ARRAY[1] ELSE ARRAY[]::integer[] END;
+                ELSE
+                    v_lanes := ARRAY(SELECT g.i FROM generate_series(1, v_n) AS g(i)
+                                     WHERE NOT v_done[g.i] AND v_cap[g.i] > v_taken[g.i] ORDER BY g.i);
+                END IF;
+                v_open := cardinality(v_lanes);
+                EXIT WHEN v_open = 0 OR v_left <= 0 OR v_passes > 8;
+                v_share := ceil(v_left::numeric / v_open)::integer;
+                IF v_open = 1 THEN
+                    v_quota := ARRAY[LEAST(v_share, v_cap[v_lanes[1]] - v_taken[v_lanes[1]])];
+                ELSE
+                    v_quota := ARRAY(SELECT LEAST(v_share, v_cap[u.i] - v_taken[u.i])
+                                     FROM unnest(v_lanes) AS u(i));
+                END IF;
+                -- each lane's head from its positions: due, ingested, not held by anyone; one
+                -- more than its quota tells whether it has more
+                IF v_open = 1 AND cardinality((v_cands[v_lanes[1]]).prios) = 1 THEN
+                    v_k := v_lanes[1];
+                    h_id := ARRAY(
+                        SELECT m.id FROM {schema}.message m
+                        WHERE m.queue = (v_cands[v_k]).queue AND m.channel = (v_cands[v_k]).channel
+                          AND m.locked_until IS NULL AND m.priority = ((v_cands[v_k]).prios)[1]
+                          AND (m.dequeue_at, m.id) >= (((v_cands[v_k]).pos_at)[1],
+                                                       ((v_cands[v_k]).pos_id)[1])
+                          AND m.dequeue_at <= v_now
+                          AND pg_visible_in_snapshot(m.txid, v_d.snap)
+                        ORDER BY m.priority DESC, m.dequeue_at, m.id
+                        LIMIT v_quota[1] + 1
+                        FOR UPDATE SKIP LOCKED);
+                    h_lane := array_fill(v_k, ARRAY[cardinality(h_id)]);
+                    h_rn := ARRAY(SELECT generate_series(1, cardinality(h_id)));
+                ELSE
+                SELECT array_agg(h.id ORDER BY h.rn, h.i), array_agg(h.i ORDER BY h.rn, h.i),
+                       array_agg(h.rn ORDER BY h.rn, h.i)
+                INTO h_id, h_lane, h_rn
+                FROM unnest(v_lanes, v_quota) AS u(i, quota)
+                CROSS JOIN LATERAL (
+                    SELECT u.i, z.id, z.priority, z.dequeue_at,
+                           (row_number() OVER (ORDER BY z.priority DESC, z.dequeue_at, z.id))::integer AS rn
+                    FROM (
+                        SELECT m.id, m.priority, m.dequeue_at
+                        FROM unnest((v_cands[u.i]).prios, (v_cands[u.i]).pos_at,
+                                    (v_cands[u.i]).pos_id) AS p(prio, at, pid)
+                        CROSS JOIN LATERAL (
+                            SELECT m.id, m.priority, m.dequeue_at FROM {schema}.message m
+                            WHERE m.queue = (v_cands[u.i]).queue
+                              AND m.channel = (v_cands[u.i]).channel
+                              AND m.locked_until IS NULL AND m.priority = p.prio
+                              AND (m.dequeue_at, m.id) >= (p.at, p.pid) AND m.dequeue_at <= v_now
+                              AND pg_visible_in_snapshot(m.txid, v_d.snap)
+                            ORDER BY m.priority DESC, m.dequeue_at, m.id
+                            LIMIT u.quota + 1
+                            FOR UPDATE SKIP LOCKED
+                        ) AS m
+                        ORDER BY m.priority DESC, m.dequeue_at, m.id
+                        LIMIT u.quota + 1
+                    ) AS z
+                ) AS h;
+                END IF;
+                FOR i IN 1 .. v_open LOOP
+                    v_k := v_lanes[i];
+                    v_more[v_k] := coalesce(array_length(array_positions(h_lane, v_k), 1), 0) > v_quota[i];
+                    IF NOT v_more[v_k] THEN
+                        v_done[v_k] := true;
+                    END IF;
+                END LOOP;
+                -- (the quotas are rounded up: never more than the call has left, in rank order)
+                IF v_open = 1 THEN
+                    v_take := h_id[1:v_quota[1]];
+                ELSE
+                    v_take := ARRAY(
+                        SELECT t.id FROM unnest(h_id, h_lane, h_rn) AS t(id, l, rn)
+                        JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
+                        WHERE t.rn <= u.quota
+                        ORDER BY t.rn, t.l LIMIT v_left);
+                END IF;
+                EXIT WHEN coalesce(cardinality(v_take), 0) = 0;
+                IF v_open = 1 THEN
+                    v_slotted := CASE WHEN v_max[v_lanes[1]] IS NOT NULL THEN v_take
+                                      ELSE ARRAY[]::bigint[] END;
+                ELSE
+                    v_slotted := ARRAY(
+                        SELECT t.id FROM unnest(h_id, h_lane) AS t(id, l)
+                        WHERE t.id = ANY (v_take) AND v_max[t.l] IS NOT NULL);
+                END IF;
+                -- lock them (by primary key from the array); those past their time to live or
+                -- delivered max_attempts times are left out, and handled below
+                v_locked := ARRAY[]::bigint[];
+                IF v_open = 1 THEN
+                    -- (one lane: its heads are in rank order already)
+                    RETURN QUERY
+                        WITH locked AS (
+                            UPDATE {schema}.message m SET
+                                locked_until = v_now + v_lock,
+                                lock_token = gen_random_uuid(),
+                                attempts = m.attempts + 1,
+                                slotted = m.id = ANY (v_slotted)
+                            WHERE m.id = ANY (v_take)
+                              AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                              AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                            RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                                      m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+                        )
+                        SELECT l.id, l.queue::text, l.channel::text, l.name, l.priority, l.attempts,
+                               l.lock_token, l.created_at, l.content, l.state, NULL::bigint,
+                               'delivered'::text
+                        FROM locked l ORDER BY l.priority DESC, l.dequeue_at, l.id;
+                    GET DIAGNOSTICS v_rows = ROW_COUNT;
+                    IF v_rows = cardinality(v_take) THEN
+                        v_locked := v_take;
+                    ELSIF v_rows > 0 THEN
+                        v_locked := ARRAY(SELECT m.id FROM {schema}.message m
+                                          WHERE m.id = ANY (v_take) AND m.lock_token IS NOT NULL);
+                    END IF;
+                    v_k := v_lanes[1];
+                    v_taken[v_k] := v_taken[v_k] + cardinality(v_locked);
+                    IF cardinality(v_locked) > 0 THEN
+                        e_q := e_q || array_fill((v_cands[v_k]).queue::text,
+                                                 ARRAY[cardinality(v_locked)]);
+                        e_c := e_c || array_fill((v_cands[v_k]).channel::text,
+                                                 ARRAY[cardinality(v_locked)]);
+                        e_k := e_k || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
+                    END IF;
+                ELSE
+                FOR r IN
+                    WITH locked AS (
+                        UPDATE {schema}.message m SET
+                            locked_until = v_now + v_lock,
+                            lock_token = gen_random_uuid(),
+                            attempts = m.attempts + 1,
+                            slotted = m.id = ANY (v_slotted)
+                        WHERE m.id = ANY (v_take) AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                          AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                        RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                                  m.lock_token, m.created_at, m.content, m.state
+                    )
+                    SELECT l.*, t.l AS lane, v_taken[t.l] + t.rn AS rnk
+                    FROM locked l
+                    JOIN unnest(h_id, h_lane, h_rn) AS t(id, l, rn) ON t.id = l.id
+                    ORDER BY rnk, lane
+                LOOP
+                    v_locked := v_locked || r.id;
+                    message_id := r.id;
+                    queue_name := r.queue;
+                    channel_name := r.channel;
+                    message_name := r.name;
+                    message_priority := r.priority;
+                    message_attempts := r.attempts;
+                    message_lock_token := r.lock_token;
+                    message_created_at := r.created_at;
+                    message_content := r.content;
+                    message_state := r.state;
+                    retry_ms := NULL;
+                    event := 'delivered';
+                    RETURN NEXT;
+                END LOOP;
+                FOR i IN 1 .. cardinality(h_id) LOOP
+                    IF h_id[i] = ANY (v_locked) THEN
+                        v_taken[h_lane[i]] := v_taken[h_lane[i]] + 1;
+                        e_q := e_q || (v_cands[h_lane[i]]).queue;
+                        e_c := e_c || (v_cands[h_lane[i]]).channel;
+                        e_k := e_k || 'delivered'::text;
+                    END IF;
+                END LOOP;
+                END IF;
+                v_got := v_got + cardinality(v_locked);
+                v_left := p_limit - v_got;
+                IF cardinality(v_locked) > 0
+                   AND (v_lock_until IS NULL OR v_now + v_lock < v_lock_until) THEN
+                    v_lock_until := v_now + v_lock;
+                    v_lock_id := v_locked[1];
+                END IF;
+                IF cardinality(v_locked) < cardinality(v_take) THEN
+                    -- past their time to live: deleted
+                    FOR r IN
+                        DELETE FROM {schema}.message m
+                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.expires_at <= v_now
+                        RETURNING m.id, m.queue, m.channel, m.sized
+                    LOOP
+                        e_q := e_q || r.queue;
+                        e_c := e_c || r.channel;
+                        e_k := e_k || 'expired'::text;
+                        IF r.sized THEN
+                            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, 1, 0);
+                        END IF;
+                    END LOOP;
+                    -- delivered max_attempts times: dead-lettered
+                    v_poison := ARRAY(
+                        SELECT m.id FROM {schema}.message m
+                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.locked_until IS NULL
+                        ORDER BY m.id);
+                    IF cardinality(v_poison) > 0 THEN
+                        FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+                            v_dead := v_dead + 1;
+                            e_q := e_q || r.queue_name;
+                            e_c := e_c || r.channel_name;
+                            e_k := e_k || 'dead'::text;
+                            RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name,
+                                r.message_name, NULL::smallint, r.message_attempts, NULL::uuid,
+                                r.message_created_at, NULL::bytea, NULL::bytea, NULL::bigint,
+                                'dead'::text;
+                        END LOOP;
+                    END IF;
+                END IF;
+            END LOOP;
+
+            -- 5. the owned lanes: positions past what they took, the turn to the back (or at
+            --    the next due message, or none). Positions are read with the latest snapshot of
+            --    the ingest: one that looked at a lane and left it as it was (its positions
+            --    covered what it found) did so before this call took the lane's key.
+            v_served := clock_timestamp();
+            SELECT d.snap INTO v_snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+            FOR i IN 1 .. v_n LOOP
+                CONTINUE WHEN NOT v_own[i];
+                v_lane := v_cands[i];
+                IF (v_max[i] IS NOT NULL OR v_rt[i] IS NOT NULL) AND v_taken[i] > 0 THEN
+                    UPDATE {schema}.channel c SET
+                        current_concurrency = c.current_concurrency
+                            + CASE WHEN v_max[i] IS NOT NULL THEN v_taken[i] ELSE 0 END,
+                        rate_tat = CASE WHEN v_rt[i] IS NOT NULL
+                                        THEN v_tat[i] + v_taken[i] * v_rt[i] ELSE c.rate_tat END,
+                        rate_interval = coalesce(v_rt[i], c.rate_interval)
+                    WHERE c.queue = v_lane.queue AND c.name = v_lane.channel;
+                END IF;
+                -- a rated lane that spent its tokens: its turn not before the next one
+                v_wait := CASE WHEN v_rt[i] IS NOT NULL AND v_tok[i] - v_taken[i] <= 0
+                    THEN v_tat[i] + (v_taken[i] - v_burst[i] + 1) * v_rt[i] END;
+                -- a lone lane with more to give, written a moment ago: not written now (its
+                -- positions lag by what was taken since; the next write catches up)
+                CONTINUE WHEN v_n = 1 AND cardinality(v_cands) = 1 AND v_more[i]
+                    AND NOT v_lane.limited AND v_lane.served_at > '-infinity'
+                    AND v_lane.written_at > v_now - interval '5 milliseconds';
+                -- positions at the first message not taken (what this call took is locked
+                -- now; what another running dequeue holds still counts)
+                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
+                v_lane.prios := v_next.prios;
+                v_lane.pos_at := v_next.pos_at;
+                v_lane.pos_id := v_next.pos_id;
+                v_lane.limited := v_max[i] IS NOT NULL OR v_rt[i] IS NOT NULL;
+                v_lane.not_before := v_wait;
+                IF v_taken[i] > 0 THEN
+                    v_lane.served_at := v_served + i * interval '1 microsecond';
+                END IF;
+                IF v_max[i] IS NOT NULL AND v_room[i] - v_taken[i] <= 0 THEN
+                    v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
+                ELSIF v_more[i] THEN
+                    v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at, v_wait);
+                ELSE
+                    v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
+                        THEN GREATEST(v_next.next_at, v_lane.served_at, (v_cands[i]).turn_at,
+                                      v_wait) END;
+                END IF;
+                -- (a version superseded meanwhile by its previous owner is left as it is)
+                IF EXISTS (SELECT 1 FROM {schema}.lane l
+                           WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
+                             AND l.id = (v_cands[i]).id) THEN
+                    PERFORM {schema}.lane_put_v1((v_cands[i]).id, v_lane);
+                END IF;
+            END LOOP;
+        END IF;
+        EXIT WHEN v_got > 0;
+
+        -- 6. nothing. A listening caller registers as sleeping, checks for producers still
+        --    in their transactions (they may have looked for sleepers before), then looks
+        --    once more: a producer that commits after that sees it sleeping and notifies.
+        IF p_listen AND NOT v_slept THEN
+            v_slept := true;
+            v_keys := (SELECT string_agg({schema}.queue_key_v1('sleep', u.q)::text, ',')
+                       FROM (SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q)) AS u);
+            PERFORM pg_advisory_lock_shared(k.key)
+            FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key);
+            PERFORM set_config('lonnymq.sleeping', v_keys, false);
+            v_busy := EXISTS (SELECT 1 FROM unnest(p_queues) AS u(q)
+                              WHERE NOT {schema}.queue_idle_v1(u.q));
+            v_ingested := false;
+            v_now := clock_timestamp();
+            CONTINUE;
+        END IF;
+        -- (then ingest, waiting a little for an ingest another consumer is running: what it
+        -- brings in is not deliverable before it commits, and answering "nothing" meanwhile
+        -- would send this caller to sleep while messages wait)
+        EXIT WHEN v_waited;
+        v_waited := true;
+        v_d := {schema}.ingest_wait_v1(p_queues);
+        v_ingested := true;
+        v_now := clock_timestamp();
+    END LOOP;
+
+    -- the tally of this call: one row per channel (one channel, the usual case, without an
+    -- aggregate)
+    IF cardinality(e_q) > 0 AND e_q <@ ARRAY[e_q[1]] AND e_c <@ ARRAY[e_c[1]] THEN
+        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                    dead_held, lock_until, lock_id)
+        VALUES (e_q[1], e_c[1], cardinality(array_positions(e_k, 'delivered')),
+                cardinality(array_positions(e_k, 'redelivered')),
+                cardinality(array_positions(e_k, 'acked')),
+                cardinality(array_positions(e_k, 'expired')),
+                cardinality(array_positions(e_k, 'dead')),
+                cardinality(array_positions(e_k, 'dead_held')),
+                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_until END,
+                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_id END);
+    ELSIF cardinality(e_q) > 0 THEN
+        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                    dead_held, lock_until, lock_id)
+        SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
+               count(*) FILTER (WHERE u.k = 'redelivered'), count(*) FILTER (WHERE u.k = 'acked'),
+               count(*) FILTER (WHERE u.k = 'expired'), count(*) FILTER (WHERE u.k = 'dead'),
+               count(*) FILTER (WHERE u.k = 'dead_held'),
+               CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN v_lock_until END,
+               CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN v_lock_id END
+        FROM unnest(e_q, e_c, e_k) AS u(q, c, k)
+        GROUP BY u.q, u.c;
+    END IF;
+
+    IF v_got = 0 THEN
+        -- (after dead-lettering, look again at once: what comes next may be deliverable)
+        v_retry := CASE WHEN v_dead > 0 THEN 0 ELSE {schema}.queue_retry_ms_v1(p_queues, v_d) END;
+        IF v_busy THEN
+            v_retry := LEAST(coalesce(v_retry, 20), 20);
+        END IF;
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, v_retry,
+            NULL::text;
+    END IF;
+END;
+$$;
+

@@ -1,0 +1,365 @@
+-- lonnymq's current schema, one family of it: the files of this folder are read in the order of
+-- their numbers for a fresh install (README.md beside them: the model, the placeholders
+-- {{schema}}, {{wake}} and {{lock_prefix}}).
+
+-- ---------------------------------------------------------------------------------------------
+-- 8. Policies and limits
+-- The channel rows (only channels with a policy of their own or a limit in force have one):
+-- the limits in force, the counts a limit needs, and the policies that set them.
+-- ---------------------------------------------------------------------------------------------
+
+-- The limits in force for a channel: its own policy, else the queue's default.
+CREATE FUNCTION {schema}.channel_limits_v1(
+    p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer
+)
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
+BEGIN
+    SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
+           CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END
+    INTO max_concurrency, max_size
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
+END;
+$$;
+
+-- The limits in force for a channel, with its rate (its own policy, else the queue's default):
+-- at most rate_count deliveries per rate_per_ms, burst at once.
+CREATE FUNCTION {schema}.channel_limits_v2(
+    p_queue text, p_channel text, OUT max_concurrency integer, OUT max_size integer,
+    OUT rate_count integer, OUT rate_per_ms bigint, OUT burst integer
+)
+LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $$
+BEGIN
+    SELECT CASE WHEN c.has_policy THEN c.own_max_concurrency ELSE q.max_concurrency END,
+           CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END,
+           CASE WHEN c.has_policy THEN c.own_rate_count ELSE q.rate_count END,
+           CASE WHEN c.has_policy THEN c.own_rate_per_ms ELSE q.rate_per_ms END,
+           CASE WHEN c.has_policy THEN c.own_burst ELSE q.burst END
+    INTO max_concurrency, max_size, rate_count, rate_per_ms, burst
+    FROM (SELECT) AS one
+    LEFT JOIN {schema}.queue q ON q.name = p_queue
+    LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel;
+END;
+$$;
+
+-- Give back what removed (or unlocked) messages held on their channel row: p_sized messages
+-- of its current_size, p_slotted of its current_concurrency. A slot freed in a channel at its
+-- max_concurrency marks it `freed`: the next ingest (which the next dequeue runs, seeing it)
+-- gives its lane a turn again. (Only owners and the ingest write lanes: that is what keeps
+-- the queues' turn positions exact.) A row left with nothing to count and no policy goes.
+CREATE FUNCTION {schema}.channel_give_back_v1(
+    p_queue text, p_channel text, p_sized integer, p_slotted integer
+) RETURNS void
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_row {schema}.channel;
+    v_max integer;
+BEGIN
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    v_row.current_size := GREATEST(0, v_row.current_size - p_sized);
+    IF p_slotted > 0 THEN
+        SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(p_queue, p_channel) l;
+        IF v_max IS NOT NULL AND v_row.current_concurrency >= v_max
+           AND v_row.current_concurrency - p_slotted < v_max THEN
+            v_row.freed := true;
+            PERFORM {schema}.wake_v1(p_queue);
+        END IF;
+        v_row.current_concurrency := GREATEST(0, v_row.current_concurrency - p_slotted);
+    END IF;
+    IF NOT v_row.has_policy AND v_row.current_size = 0 AND v_row.current_concurrency = 0
+       AND NOT v_row.freed AND (v_row.rate_tat IS NULL OR v_row.rate_tat <= clock_timestamp()) THEN
+        DELETE FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel;
+    ELSE
+        UPDATE {schema}.channel c SET
+            current_size = v_row.current_size,
+            current_concurrency = v_row.current_concurrency,
+            freed = v_row.freed
+        WHERE c.queue = p_queue AND c.name = p_channel;
+    END IF;
+END;
+$$;
+
+-- A rate's state at p_now: the emission interval T (p_per_ms / p_count), the theoretical
+-- arrival time of the next delivery (at least p_now; p_tat rescaled when it was reckoned with
+-- another interval: what was owed is kept in deliveries, so a new rate applies within one of
+-- its intervals), the deliveries allowed now (whole ones, at most p_burst) and, when none is,
+-- when the next one is. See channel_headroom_v2.
+CREATE FUNCTION {schema}.rate_state_v1(
+    p_tat timestamptz, p_tat_interval interval, p_count integer, p_per_ms bigint, p_burst integer,
+    p_now timestamptz, OUT rate_interval interval, OUT tat timestamptz, OUT tokens integer,
+    OUT next_at timestamptz
+)
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_count IS NULL THEN
+        RETURN;
+    END IF;
+    rate_interval := (p_per_ms::double precision / p_count) * interval '1 millisecond';
+    tat := p_tat;
+    IF tat > p_now AND p_tat_interval IS DISTINCT FROM rate_interval AND p_tat_interval > '0' THEN
+        tat := p_now + (extract(epoch FROM tat - p_now) / extract(epoch FROM p_tat_interval))
+                       * rate_interval;
+    END IF;
+    tat := GREATEST(coalesce(tat, p_now), p_now);
+    -- (the 1e-6 absorbs the rounding of timestamps to microseconds: at the time a delivery is
+    -- due, it is allowed)
+    tokens := LEAST(p_burst, GREATEST(0, floor(p_burst - extract(epoch FROM tat - p_now)
+                                                / extract(epoch FROM rate_interval) + 1e-6)))::integer;
+    IF tokens = 0 THEN
+        next_at := tat - (p_burst - 1) * rate_interval;
+    END IF;
+END;
+$$;
+
+-- What the owner of a limited lane may take now (p_now), its channel row locked for the
+-- caller (created when missing): `room`, the free slots under its max_concurrency (NULL: none
+-- applies); `tokens`, the deliveries its rate allows now (NULL: no rate); `headroom`, the
+-- lesser of the two. All NULL when another transaction holds the row (a producer of a channel
+-- with a max_size, or an ack): the lane waits for a later dequeue rather than this one waiting
+-- for it.
+--
+-- The rate is a GCRA (generic cell rate algorithm): with T = rate_per_ms / rate_count (the
+-- emission interval), the row keeps `rate_tat`, the theoretical arrival time of the next
+-- delivery; n deliveries are allowed at time t when max(tat, t) + n T <= t + burst T, and
+-- taking them moves tat to max(tat, t) + n T. So no window of length w holds more than
+-- burst + w / T deliveries. `tat` comes back as max(tat, t) (rate_state_v1).
+CREATE FUNCTION {schema}.channel_headroom_v2(
+    p_queue text, p_channel text, p_now timestamptz, OUT headroom integer,
+    OUT max_concurrency integer, OUT room integer, OUT tokens integer, OUT rate_interval interval,
+    OUT burst integer, OUT tat timestamptz
+)
+LANGUAGE plpgsql SET lock_timeout = '10ms' SET enable_seqscan = off AS $$
+DECLARE
+    v_lim record;
+    v_row {schema}.channel;
+BEGIN
+    SELECT * INTO v_lim FROM {schema}.channel_limits_v2(p_queue, p_channel);
+    max_concurrency := v_lim.max_concurrency;
+    IF v_lim.max_concurrency IS NULL AND v_lim.rate_count IS NULL THEN
+        headroom := 2147483647;
+        RETURN;
+    END IF;
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        IF EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.queue = p_queue AND c.name = p_channel) THEN
+            max_concurrency := NULL;
+            RETURN;  -- busy
+        END IF;
+        BEGIN
+            INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+            ON CONFLICT DO NOTHING
+            RETURNING * INTO v_row;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;
+        END;
+        IF v_row.name IS NULL THEN
+            max_concurrency := NULL;
+            RETURN;  -- another transaction is creating it
+        END IF;
+    END IF;
+    IF v_lim.max_concurrency IS NOT NULL THEN
+        room := GREATEST(0, v_lim.max_concurrency - v_row.current_concurrency);
+    END IF;
+    IF v_lim.rate_count IS NOT NULL THEN
+        burst := v_lim.burst;
+        SELECT r.rate_interval, r.tat, r.tokens INTO rate_interval, tat, tokens
+        FROM {schema}.rate_state_v1(v_row.rate_tat, v_row.rate_interval, v_lim.rate_count,
+                                    v_lim.rate_per_ms, v_lim.burst, p_now) AS r;
+        -- (a rate changed since the row's tat was reckoned: what is owed, rescaled, is kept,
+        -- whether or not this call takes anything)
+        IF v_row.rate_tat > p_now AND v_row.rate_interval IS DISTINCT FROM rate_interval THEN
+            UPDATE {schema}.channel c SET rate_tat = tat, rate_interval = channel_headroom_v2.rate_interval
+            WHERE c.queue = p_queue AND c.name = p_channel;
+        END IF;
+    END IF;
+    headroom := LEAST(coalesce(room, 2147483647), coalesce(tokens, 2147483647));
+END;
+$$;
+
+-- Bring a channel in line with the limits now in force, after a policy change: a limit that
+-- starts counting counts what the channel holds (max_size: its messages; max_concurrency: its
+-- messages in flight), the lane is marked limited or not and gets its turn back, or loses it
+-- at its max_concurrency, or waits for its next token no more. The caller holds the ingest
+-- key. Returns whether the lane got a turn it did not have (or an earlier one).
+CREATE FUNCTION {schema}.channel_apply_v1(p_queue text, p_channel text) RETURNS boolean
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_lim record;
+    v_row {schema}.channel;
+    v_n integer;
+    v_lane {schema}.lane;
+    v_put {schema}.lane;
+    v_d {schema}.discovery;
+    v_next record;
+    v_i integer;
+BEGIN
+    SELECT * INTO v_lim FROM {schema}.channel_limits_v2(p_queue, p_channel);
+    IF v_lim.max_size IS NOT NULL OR v_lim.max_concurrency IS NOT NULL
+       OR v_lim.rate_count IS NOT NULL THEN
+        INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+        ON CONFLICT DO NOTHING;
+    END IF;
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+    IF FOUND THEN
+        IF v_lim.max_size IS NOT NULL THEN
+            WITH marked AS (
+                UPDATE {schema}.message m SET sized = true
+                WHERE m.id IN (
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.channel = p_channel AND x.locked_until IS NULL
+                      AND NOT x.sized
+                    UNION ALL
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                      AND x.channel = p_channel AND NOT x.sized)
+                RETURNING 1
+            )
+            SELECT count(*) INTO v_n FROM marked;
+            v_row.current_size := v_row.current_size + v_n;
+        END IF;
+        IF v_lim.max_concurrency IS NOT NULL THEN
+            WITH marked AS (
+                UPDATE {schema}.message m SET slotted = true
+                WHERE m.id IN (
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                      AND x.channel = p_channel AND NOT x.slotted)
+                RETURNING 1
+            )
+            SELECT count(*) INTO v_n FROM marked;
+            v_row.current_concurrency := v_row.current_concurrency + v_n;
+        END IF;
+        UPDATE {schema}.channel c SET
+            current_size = v_row.current_size, current_concurrency = v_row.current_concurrency
+        WHERE c.queue = p_queue AND c.name = p_channel;
+        DELETE FROM {schema}.channel c
+        WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
+          AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+          AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
+    END IF;
+    v_lane := {schema}.lane_lock_v1(p_queue, p_channel);
+    IF v_lane.id IS NULL THEN
+        RETURN false;
+    END IF;
+    v_put := v_lane;
+    v_put.limited := v_lim.max_concurrency IS NOT NULL OR v_lim.rate_count IS NOT NULL;
+    -- (a lane waiting for its next token under the old rate: its turn is recomputed, and its
+    -- owner reckons the tokens under the new one)
+    v_put.not_before := NULL;
+    IF v_lim.max_concurrency IS NOT NULL
+       AND coalesce(v_row.current_concurrency, 0) >= v_lim.max_concurrency THEN
+        v_put.turn_at := NULL;
+    ELSIF v_put.turn_at IS NULL OR v_lane.not_before IS NOT NULL THEN
+        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        SELECT * INTO v_next FROM {schema}.lane_next_v1(v_put, v_d.snap);
+        v_put.prios := v_next.prios;
+        v_put.pos_at := v_next.pos_at;
+        v_put.pos_id := v_next.pos_id;
+        IF v_next.next_at IS NOT NULL THEN
+            v_i := array_position(v_d.queues, p_queue);
+            v_put.turn_at := GREATEST(v_next.next_at, v_put.served_at,
+                CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_d.turn_from[v_i] END);
+        END IF;
+    END IF;
+    IF v_put.limited IS DISTINCT FROM v_lane.limited OR v_put.turn_at IS DISTINCT FROM v_lane.turn_at
+       OR v_put.not_before IS DISTINCT FROM v_lane.not_before
+       OR v_put.prios IS DISTINCT FROM v_lane.prios OR v_put.pos_at IS DISTINCT FROM v_lane.pos_at
+       OR v_put.pos_id IS DISTINCT FROM v_lane.pos_id THEN
+        PERFORM {schema}.lane_put_v1(v_lane.id, v_put);
+    END IF;
+    -- (a turn it did not have, or an earlier one: sleepers may be waiting for the later one)
+    RETURN v_put.turn_at IS NOT NULL
+        AND (v_lane.turn_at IS NULL
+             OR (v_put.turn_at < v_lane.turn_at AND v_lane.turn_at > clock_timestamp()));
+END;
+$$;
+
+-- Set a channel's own policy (NULL: no limit): max_concurrency, max_size, and a rate of at
+-- most p_rate_count deliveries per p_rate_per_ms, p_burst at once (all three or none).
+-- Applies at once to the messages it holds.
+CREATE FUNCTION {schema}.channel_policy_set_v2(
+    p_queue text, p_channel text, p_max_concurrency integer, p_max_size integer,
+    p_rate_count integer, p_rate_per_ms bigint, p_burst integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    PERFORM {schema}.queue_ensure_v1(p_queue);
+    INSERT INTO {schema}.channel AS c (queue, name, has_policy, own_max_concurrency, own_max_size,
+                                       own_rate_count, own_rate_per_ms, own_burst)
+    VALUES (p_queue, p_channel, true, p_max_concurrency, p_max_size, p_rate_count, p_rate_per_ms,
+            p_burst)
+    ON CONFLICT (queue, name) DO UPDATE SET
+        has_policy = true, own_max_concurrency = EXCLUDED.own_max_concurrency,
+        own_max_size = EXCLUDED.own_max_size, own_rate_count = EXCLUDED.own_rate_count,
+        own_rate_per_ms = EXCLUDED.own_rate_per_ms, own_burst = EXCLUDED.own_burst;
+    IF {schema}.channel_apply_v1(p_queue, p_channel) THEN
+        PERFORM {schema}.wake_v1(p_queue);
+    END IF;
+END;
+$$;
+
+-- Remove a channel's own policy: it falls back to the queue default.
+CREATE FUNCTION {schema}.channel_policy_clear_v1(p_queue text, p_channel text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    UPDATE {schema}.channel c SET has_policy = false, own_max_concurrency = NULL,
+        own_max_size = NULL, own_rate_count = NULL, own_rate_per_ms = NULL, own_burst = NULL
+    WHERE c.queue = p_queue AND c.name = p_channel;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    IF {schema}.channel_apply_v1(p_queue, p_channel) THEN
+        PERFORM {schema}.wake_v1(p_queue);
+    END IF;
+    DELETE FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
+      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
+END;
+$$;
+
+-- Set (or, with NULLs, clear) the queue-wide default policy, applied at once to every channel
+-- of the queue that has no policy of its own.
+CREATE FUNCTION {schema}.queue_policy_set_v2(
+    p_queue text, p_max_concurrency integer, p_max_size integer, p_rate_count integer,
+    p_rate_per_ms bigint, p_burst integer
+) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_channel text;
+    v_woken boolean := false;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    PERFORM {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue SET max_concurrency = p_max_concurrency, max_size = p_max_size,
+        rate_count = p_rate_count, rate_per_ms = p_rate_per_ms, burst = p_burst
+    WHERE name = p_queue;
+    FOR v_channel IN
+        SELECT x.channel FROM (
+            SELECT l.channel FROM {schema}.lane l WHERE l.queue = p_queue
+            UNION
+            SELECT c.name FROM {schema}.channel c WHERE c.queue = p_queue
+        ) AS x
+        WHERE NOT EXISTS (SELECT 1 FROM {schema}.channel c
+                          WHERE c.queue = p_queue AND c.name = x.channel AND c.has_policy)
+        ORDER BY x.channel
+    LOOP
+        IF {schema}.channel_apply_v1(p_queue, v_channel) THEN
+            v_woken := true;
+        END IF;
+    END LOOP;
+    IF v_woken THEN
+        PERFORM {schema}.wake_v1(p_queue);
+    END IF;
+END;
+$$;
+

@@ -1,0 +1,189 @@
+-- lonnymq's current schema, one family of it: the files of this folder are read in the order of
+-- their numbers for a fresh install (README.md beside them: the model, the placeholders
+-- {{schema}}, {{wake}} and {{lock_prefix}}).
+
+-- ---------------------------------------------------------------------------------------------
+-- 9. Queues: declare, purge, delete, stats
+-- ---------------------------------------------------------------------------------------------
+
+-- Declare a queue with its arguments; returns (messages waiting, messages in flight).
+CREATE FUNCTION {schema}.queue_declare_v1(
+    p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint,
+    OUT waiting bigint, OUT in_flight bigint
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
+BEGIN
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        expires_ms = p_expires_ms,
+        message_ttl_ms = p_message_ttl_ms,
+        used_at = clock_timestamp()
+    WHERE q.id = v_queue_id
+      AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+           OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
+    SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged
+                        - (t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                           - t.removed_held)), 0),
+           coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                        - t.removed_held), 0)
+    INTO waiting, in_flight
+    FROM {schema}.channel_totals_v1(p_queue) AS t;
+END;
+$$;
+
+-- Declare a queue with kombu's arguments: as queue_declare_v1, and auto_delete (the queue
+-- goes when its last consumer does) and max_priority (a message's priority above it is
+-- stored as it). A declare brings back a queue that went (queue_gone).
+CREATE FUNCTION {schema}.queue_declare_v2(
+    p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint, p_auto_delete boolean,
+    p_max_priority integer, OUT waiting bigint, OUT in_flight bigint
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    SELECT d.waiting, d.in_flight INTO waiting, in_flight
+    FROM {schema}.queue_declare_v1(p_queue, p_expires_ms, p_message_ttl_ms) AS d;
+    UPDATE {schema}.queue q SET auto_delete = p_auto_delete, max_priority = p_max_priority
+    WHERE q.name = p_queue
+      AND (q.auto_delete IS DISTINCT FROM p_auto_delete
+           OR q.max_priority IS DISTINCT FROM p_max_priority);
+    DELETE FROM {schema}.queue_gone g WHERE g.name = p_queue;
+END;
+$$;
+
+-- Delete every message of a queue that is not held by a consumer (ready and delayed ones).
+-- Returns how many were deleted. Held messages stay until acked or their lock expires.
+CREATE FUNCTION {schema}.queue_purge_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_d {schema}.discovery;
+    v_total bigint := 0;
+    r record;
+    v_lane {schema}.lane;
+BEGIN
+    -- with the ingest held, a message not ingested yet is counted as enqueued here
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL
+            RETURNING m.channel, m.sized,
+                      m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap) AS fresh
+        ), per AS (
+            SELECT g.channel, count(*)::integer AS n, count(*) FILTER (WHERE g.sized)::integer AS s,
+                   count(*) FILTER (WHERE g.fresh)::integer AS f
+            FROM gone g GROUP BY g.channel
+        ), counted AS (
+            INSERT INTO {schema}.tally (queue, channel, enqueued, purged)
+            SELECT p_queue, p.channel, p.f, p.n FROM per p
+        )
+        SELECT * FROM per ORDER BY channel
+    LOOP
+        v_total := v_total + r.n;
+        IF r.s > 0 THEN
+            PERFORM {schema}.channel_give_back_v1(p_queue, r.channel, r.s, 0);
+        END IF;
+    END LOOP;
+    FOR r IN SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1 LOOP
+        v_lane := {schema}.lane_lock_v1(p_queue, r.channel);
+        IF v_lane.turn_at IS NOT NULL OR cardinality(v_lane.prios) > 0 THEN
+            v_lane.turn_at := NULL;
+            v_lane.prios := '{{}}';
+            v_lane.pos_at := '{{}}';
+            v_lane.pos_id := '{{}}';
+            PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
+        END IF;
+    END LOOP;
+    RETURN v_total;
+END;
+$$;
+
+-- Delete a queue: all its messages (held ones too), lanes, policies and counts. Its dead
+-- letters stay until their retention ends. Returns how many messages were deleted.
+CREATE FUNCTION {schema}.queue_delete_v1(p_queue text) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n bigint := 0;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
+    DELETE FROM {schema}.binding WHERE queue = p_queue;
+    PERFORM 1 FROM {schema}.queue q WHERE q.name = p_queue FOR UPDATE;
+    IF NOT FOUND AND NOT EXISTS (SELECT 1 FROM {schema}.message m WHERE m.queue = p_queue
+                                 AND m.locked_until IS NULL) THEN
+        RETURN 0;
+    END IF;
+    PERFORM {schema}.lane_lock_v1(p_queue, l.channel)
+    FROM (SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1) AS l;
+    WITH gone AS (
+        DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL
+        RETURNING 1
+    ), gone_held AS (
+        DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NOT NULL
+        RETURNING 1
+    )
+    SELECT (SELECT count(*) FROM gone) + (SELECT count(*) FROM gone_held) INTO v_n;
+    DELETE FROM {schema}.lane l WHERE l.queue = p_queue;
+    DELETE FROM {schema}.channel c WHERE c.queue = p_queue;
+    DELETE FROM {schema}.channel_count cc WHERE cc.queue = p_queue;
+    DELETE FROM {schema}.queue_count qc WHERE qc.queue = p_queue;
+    DELETE FROM {schema}.tally t WHERE t.queue = p_queue;
+    DELETE FROM {schema}.queue q WHERE q.name = p_queue;
+    RETURN v_n;
+END;
+$$;
+
+-- Remember a queue as gone (see queue_gone): its x-expires, and why.
+CREATE FUNCTION {schema}.queue_forget_v1(p_queue text, p_expires_ms bigint, p_reason text)
+RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO {schema}.queue_gone (name, expires_ms, reason) VALUES (p_queue, p_expires_ms, p_reason)
+    ON CONFLICT (name) DO UPDATE
+        SET expires_ms = EXCLUDED.expires_ms, reason = EXCLUDED.reason, gone_at = EXCLUDED.gone_at;
+$$;
+
+-- Delete the auto_delete queues among p_queues that no consumer consumes any more (with
+-- their messages and bindings, as queue_delete_v1 does), and remember them as gone. The
+-- caller holds the ingest key and has locked these queue rows (FOR UPDATE, in name order)
+-- before removing their consumers, so that a last consumer going and a new one coming are
+-- never both unseen. Returns the queues deleted.
+CREATE FUNCTION {schema}.queue_auto_delete_v1(p_queues text[]) RETURNS text[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_gone text[] := ARRAY[]::text[];
+    r record;
+BEGIN
+    FOR r IN
+        SELECT q.name, q.expires_ms FROM {schema}.queue q
+        WHERE q.name = ANY (p_queues) AND q.auto_delete
+          AND NOT EXISTS (SELECT 1 FROM {schema}.consumer c WHERE c.queue = q.name)
+        ORDER BY q.name
+    LOOP
+        PERFORM {schema}.queue_delete_v1(r.name);
+        PERFORM {schema}.queue_forget_v1(r.name, r.expires_ms, 'auto_delete');
+        v_gone := v_gone || r.name::text;
+    END LOOP;
+    RETURN v_gone;
+END;
+$$;
+
+-- Counters of a queue, exact (ready and delayed are counted from the messages: O(messages
+-- not held)).
+CREATE FUNCTION {schema}.queue_stats_v1(p_queue text, p_count_ready boolean)
+RETURNS TABLE (
+    total bigint, in_flight bigint, ready bigint, delayed bigint, channels bigint,
+    max_concurrency integer, max_size integer
+)
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged), 0)::bigint,
+           coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
+                        - t.removed_held), 0)::bigint,
+           CASE WHEN p_count_ready THEN coalesce((SELECT w.ready FROM {schema}.queue_waiting_v1(p_queue) w), 0) END,
+           CASE WHEN p_count_ready THEN coalesce((SELECT w.delayed FROM {schema}.queue_waiting_v1(p_queue) w), 0) END,
+           count(*) FILTER (WHERE t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged > 0),
+           (SELECT q.max_concurrency FROM {schema}.queue q WHERE q.name = p_queue),
+           (SELECT q.max_size FROM {schema}.queue q WHERE q.name = p_queue)
+    FROM {schema}.channel_totals_v1(p_queue) AS t
+$$;
+
