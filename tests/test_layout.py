@@ -36,6 +36,8 @@ OVER_LIMIT: dict[str, str] = {}
 #: The longest a function of the schema may be, from its CREATE FUNCTION to its closing quote.
 MAX_SQL_LINES = 150
 SQL_DIR = ROOT / "sql" / "schema"
+#: A call of a schema function in SQL text: ``{schema}.name(``.
+SQL_CALL = re.compile(r"\{schema\}\.(\w+)\s*\(")
 #: Functions over MAX_SQL_LINES for now: the length each has today, which it may not pass, and
 #: why. As with OVER_LIMIT, an entry that got shorter than its figure must take the new figure
 #: (or leave the list once under the limit), so the list only ever shrinks.
@@ -339,7 +341,7 @@ def python_sql_calls() -> set[str]:
     names: set[str] = set()
     for path in ROOT.rglob("*.py"):
         text = path.read_text(encoding="utf-8")
-        names.update(re.findall(r"\{schema\}\.(\w+)\s*\(", text))
+        names.update(SQL_CALL.findall(text))
         names.update(re.findall(r"Identifier\([^()]*?,\s*\"(\w+)\"\)", text))
     return {name for name in names if re.search(r"_v\d+$", name)}  # (not a table's columns)
 
@@ -354,13 +356,13 @@ def test_every_schema_function_has_a_caller() -> None:
     called_by_sql = {
         callee
         for name, lines in functions.items()
-        for callee in re.findall(r"\{schema\}\.(\w+)\s*\(", "\n".join(lines[1:]))
+        for callee in SQL_CALL.findall("\n".join(lines[1:]))
         if callee != name
     }
     unused = sorted(set(functions) - python - granted - called_by_sql)
     assert not unused, f"schema functions that nothing calls (drop them by a migration): {unused}"
     assert python <= set(functions), sorted(python - set(functions))
-    assert set(granted) <= set(functions), sorted(set(granted) - set(functions))
+    assert granted <= set(functions), sorted(granted - set(functions))
     missing = sorted(PREVIOUS_RELEASE_CALLS - set(functions))
     assert not missing, f"functions the previous release calls are gone: {missing}"
 
