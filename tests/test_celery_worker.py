@@ -32,6 +32,7 @@ from typing import Any
 import psycopg
 import pytest
 from celery import Celery
+from psycopg import sql
 
 import lonnymq
 from tests.apps import close_app
@@ -378,7 +379,11 @@ def node_of(replies: Any, worker: Worker) -> Any:
     ids=["threads", "prefork", "solo", "threads-blocking", "prefork-blocking"],
 )
 def test_pools_run_tasks_and_return_results(
-    env: Env, workers: Callable[..., Worker], pool_args: tuple[str, ...], event_loop: bool
+    env: Env,
+    pg_dsn: str,
+    workers: Callable[..., Worker],
+    pool_args: tuple[str, ...],
+    event_loop: bool,
 ) -> None:
     """Every pool, in Celery's event loop (the default: the prefork pool is then Celery's
     asynchronous pool) and with ``event_loop=False`` (Celery's blocking loop)."""
@@ -393,8 +398,46 @@ def test_pools_run_tasks_and_return_results(
     try:
         got = [r.get(timeout=30) for r in results]
     except Exception as exc:
-        pytest.fail(f"{exc!r}\nworker log:\n{worker.log_tail()}")
+        pytest.fail(f"{exc!r}\n{missing_tasks(env, pg_dsn, worker, results)}")
     assert got == [2 * i for i in range(100)]
+
+
+def missing_tasks(env: Env, pg_dsn: str, worker: Worker, results: list[Any]) -> str:
+    """What a failed wait leaves to look at: the tasks not done, whether the worker's log
+    names them, the schema's messages, lanes and channel counts."""
+    log = worker.log.read_text(errors="replace") if worker.log.exists() else ""
+    lines = [
+        f"task {r.id}: state {r.state}, received in the log: {f'{r.id}] received' in log}"
+        for r in results
+        if not r.ready()
+    ]
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        for table, query in (
+            (
+                "message",
+                "SELECT id, queue, channel, priority, attempts, txid, dequeue_at, "
+                "locked_until FROM {}.message ORDER BY id",
+            ),
+            (
+                "lane",
+                "SELECT id, queue, channel, turn_at, served_at, prios, pos_at, pos_id "
+                "FROM {}.lane ORDER BY id",
+            ),
+            ("channel_count", "SELECT * FROM {}.channel_count"),
+            ("discovery", "SELECT * FROM {}.discovery ORDER BY id DESC LIMIT 3"),
+        ):
+            rows = c.execute(sql.SQL(query).format(sql.Identifier(env.schema))).fetchall()
+            lines.append(f"{table}: " + "\n  ".join(map(repr, rows)))
+        activity = c.execute(
+            "SELECT pid, application_name, state, xact_start, query_start, state_change, "
+            "backend_xmin, left(query, 120) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND backend_type = 'client backend'"
+        ).fetchall()
+        lines.append("sessions: " + "\n  ".join(map(repr, activity)))
+        fresh = lonnymq.Broker(env.schema).queue("celery").dequeue(c, lock_ms=1000)
+        lines.append(f"a fresh session's dequeue of 'celery' got: {fresh}")
+    return "\n".join(lines) + f"\nworker log:\n{worker.log_tail()}"
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from kombu.messaging import Consumer, Producer
 
 import lonnymq
 from lonnymq.transport import sleep as sleep_module
+from lonnymq.transport.connection import Waiter
 from lonnymq.transport.transport import Transport
 
 Conn = psycopg.Connection[Any]
@@ -283,6 +284,79 @@ def test_publish_between_empty_fetch_and_sleep_is_not_lost(
     drive(consumer_conn, hub)
     assert received.wait("raced", timeout=5) - started < 1.0  # not the 30 s fallback poll
     assert done.is_set()
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_publish_before_sleep_after_deliveries_is_not_lost(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    monkeypatch: pytest.MonkeyPatch,
+    hub: bool,
+) -> None:
+    """The same race after deliveries: a busy queue's key is released (two delivering
+    fetches in a row), the next fetch finds nothing, a producer commits (no key held: no
+    NOTIFY), the consumer takes the key again. The look owed there must happen although the
+    call that took the key returns for its deliveries (a threads worker on Celery's blocking
+    loop lost it: its last task waited for the fallback poll, which other wake-ups kept
+    putting off)."""
+    producer = make_connection().Producer(serializer="json")
+    released, done = threading.Event(), threading.Event()
+
+    def publish_first(change: sleep_module.Change) -> None:
+        if "race" in change.drop:
+            released.set()
+        elif "race" in change.take and released.is_set() and not done.is_set():
+            done.set()
+            producer.publish("raced", routing_key="race")  # committed, no sleeper: no NOTIFY
+
+    _with_hook(monkeypatch, publish_first)
+    consumer_conn = make_connection()
+    (race,) = declared(consumer_conn, "race")
+    received = Received()
+    consumer_conn.Consumer(
+        [race], callbacks=[received], accept=["json"], prefetch_count=1
+    ).consume()  # one message a fetch: fetches deliver in a row
+    drive(consumer_conn, hub)
+    time.sleep(0.5)  # asleep on the queue
+    for i in range(4):
+        producer.publish(i, routing_key="race")
+    last = received.wait(3)
+    assert done.wait(5) and released.is_set()  # the key went, and was taken again
+    assert received.wait("raced", timeout=5) - last < 1.0  # not the 30 s fallback poll
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_fallback_poll_is_not_put_off_by_wake_ups(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    monkeypatch: pytest.MonkeyPatch,
+    hub: bool,
+) -> None:
+    """The fallback poll runs every ``polling_interval`` whatever else wakes the consumer:
+    a message whose NOTIFY never arrives (dropped here) is found by it although another
+    queue's publishes wake the consumer more often than that (a worker's heartbeat events
+    every 2 s did, under a 5 s interval)."""
+    notified = Waiter.notified
+
+    def deaf_to_lost(self: Waiter, queues: Any) -> set[str]:
+        return notified(self, queues) - {"lost"}
+
+    monkeypatch.setattr(Waiter, "notified", deaf_to_lost)
+    consumer_conn = make_connection(polling_interval=1)
+    busy, lost = declared(consumer_conn, "busy", "lost")
+    received = Received()
+    for q in (busy, lost):
+        Consumer(consumer_conn.channel(), [q], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, hub)
+    time.sleep(0.5)  # both channels asleep
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("unheard", routing_key="lost")
+    sent = time.monotonic()
+    for i in range(12):  # a wake-up every 0.25 s, for 3 s
+        producer.publish(i, routing_key="busy")
+        received.wait(i)
+        time.sleep(0.25)
+    assert received.wait("unheard", timeout=1) - sent < 1.5  # the poll, 1 s apart at most
 
 
 @pytest.mark.parametrize("hub", LOOPS)

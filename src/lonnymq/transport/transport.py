@@ -90,7 +90,13 @@ class Transport(virtual.Transport):
         self.bound: dict[str, set[tuple[str, str]]] = {}
         self._waiter: Waiter | None = None
         self._sleep: SleepKeys | None = None
-        self._look_at: float | None = None  # drain_events: asleep until then (or woken)
+        # drain_events, across calls: why to fetch next (kept when a call returns with a look
+        # still owed, e.g. in the channels whose sleep keys it just took), when its timer is
+        # due, and when the fallback poll is (on its own schedule: wake-ups do not delay it)
+        self._wanted = Wanted(awake=True)
+        self._wanted_lock = threading.Lock()
+        self._timer_at: float | None = None
+        self._poll_at: float | None = None
         self._heartbeat: Heartbeat | None = None
         self._said_polling = False
         self._policies_applied = False
@@ -347,52 +353,70 @@ class Transport(virtual.Transport):
         :mod:`.sleep`), and looks once more where it took a key. Asleep, it stays so across
         calls (Celery's and kombu's loops call with a timeout of 1-2 s): it looks again when
         woken (a NOTIFY: in the channels of its queues), at a timer, or at the fallback
-        poll (in every channel)."""
+        poll (in every channel, every ``polling_interval``). A look owed when a call returns
+        (keys taken after a delivery) is the next call's first."""
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
+        interval = self.options.polling_interval
         total = 0
-        wanted = Wanted(awake=True)
         while True:
             now = time.monotonic()
-            asleep = self._look_at is not None and now < self._look_at
-            if asleep and not (owner and self.acks.pending()):
+            if self._poll_at is None:
+                self._poll_at = now + interval
+            if now >= self._poll_at:
+                self._poll_at = now + interval
+                self._want(Wanted(every=True, awake=True))
+            timer = self._timer_at
+            if timer is not None and now >= timer:
+                self._timer_at = None
+                self._want(Wanted(awake=True))
+            wanted = self._take_wanted()
+            if not wanted and not (owner and self.acks.pending()):
                 if deadline is not None and now >= deadline:
                     raise TimeoutError()
-                wait = self._look_at - now if self._look_at is not None else 0.0
-                if deadline is not None:
-                    wait = min(wait, deadline - now)
+                wake_at = min(t for t in (self._poll_at, self._timer_at, deadline) if t is not None)
                 queues = {q for c in self.channels if c._consumers for q in c._active_queues}
-                woken = self._wait(wait, queues)
-                if woken is False:
-                    continue  # the timer is due, or the caller's timeout
-                wanted = Wanted(queues=woken) if isinstance(woken, set) else Wanted(awake=True)
-            elif self._look_at is not None and not asleep:
-                wanted = Wanted(every=True, awake=True)  # the timer or the fallback poll
-            self._look_at = None
-            jobs, retry_ms = rounds.fetch_jobs(self, wanted)
-            delivered, retry, again = rounds.deliver(self, rounds.run_fetches(self, jobs))
-            retry_ms = sooner(retry_ms, retry)
-            settled = self.settle_sleep()
-            wanted = Wanted(awake=bool(delivered or again))
+                woken = self._wait(wake_at - now, queues)
+                if woken is not False:
+                    self._want(
+                        Wanted(queues=woken) if isinstance(woken, set) else Wanted(awake=True)
+                    )
+                continue  # woken, or a timer, the poll or the caller's timeout is due
+            try:
+                jobs, retry_ms = rounds.fetch_jobs(self, wanted)
+                delivered, retry, again = rounds.deliver(self, rounds.run_fetches(self, jobs))
+                retry_ms = sooner(retry_ms, retry)
+                settled = self.settle_sleep()
+            except BaseException:
+                self._want(wanted)  # still owed: the next call (after a reconnect) looks there
+                raise
+            if delivered or again:
+                self._want(Wanted(awake=True))
             if settled is not None:
-                wanted.queues.update(settled.look_again)
+                self._want(Wanted(queues=set(settled.look_again)))
                 retry_ms = sooner(retry_ms, settled.retry_ms)
+            if retry_ms is not None:
+                due = time.monotonic() + retry_ms / 1000 + 0.001
+                self._timer_at = due if self._timer_at is None else min(self._timer_at, due)
             if delivered:
                 total += delivered
                 if owner and total < self.options.batch_size and time.monotonic() - started < 0.05:
                     continue
                 return
-            if not wanted:  # asleep until the next timer (or a wake-up), this call or later
-                wait = self.options.polling_interval
-                if retry_ms is not None:
-                    wait = min(wait, retry_ms / 1000 + 0.001)
-                self._look_at = time.monotonic() + wait
             if total:
                 return
             if owner and self.acks.pending():
                 self.send_acks(self.acks.take())
-                self._look_at = None  # acks free prefetch room: look again before sleeping
-                wanted = Wanted(awake=True)
+                self._want(Wanted(awake=True))  # acks free prefetch room: look again
+
+    def _want(self, wanted: Wanted) -> None:
+        with self._wanted_lock:
+            self._wanted.add(wanted)
+
+    def _take_wanted(self) -> Wanted:
+        with self._wanted_lock:
+            wanted, self._wanted = self._wanted, Wanted()
+        return wanted
 
     def settle_sleep(self) -> Settled | None:
         """Take and release ``sleep`` keys for the channels as they are now (None: nothing to
