@@ -360,6 +360,29 @@ def test_fallback_poll_is_not_put_off_by_wake_ups(
 
 
 @pytest.mark.parametrize("hub", LOOPS)
+def test_a_sooner_timer_does_not_hide_a_later_one(
+    make_connection: Callable[..., Connection], drive: Callable[..., Driver], hub: bool
+) -> None:
+    """Two channels each wait for a delayed message: the later one's timer is armed first,
+    then the sooner one's. When the sooner fires, the later must still be due at its time,
+    not at the fallback poll (a retried Celery task, due in 1 s, once ran after 1.85 s)."""
+    consumer_conn = make_connection()
+    soon, later = declared(consumer_conn, "soon", "later")
+    received = Received()
+    for q in (soon, later):
+        Consumer(consumer_conn.channel(), [q], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, hub)
+    time.sleep(0.5)  # both channels asleep
+    producer = make_connection().Producer(serializer="json")
+    sent = time.monotonic()
+    producer.publish("later", routing_key="later", headers={"x-delay-ms": 1200})
+    time.sleep(0.1)  # its channel finds it delayed: a timer for it
+    producer.publish("soon", routing_key="soon", headers={"x-delay-ms": 300})
+    assert received.wait("soon") - sent < 0.4 + PICKUP_S
+    assert received.wait("later", timeout=5) - sent < 1.2 + PICKUP_S
+
+
+@pytest.mark.parametrize("hub", LOOPS)
 def test_producer_transaction_open_across_sleep_is_not_lost(
     make_connection: Callable[..., Connection],
     drive: Callable[..., Driver],

@@ -128,9 +128,14 @@ def test_overview_updates_without_reload_during_traffic(
             seen.add(figures())
         assert len(seen) >= 3, f"figures did not change: {seen}"
         assert browser.execute_script("return window.__loaded_once;") == "yes"
-        # the chart: polylines drawn by the page's own script once two readings are in
+        # the chart: polylines drawn by the page's own script once two points are in (three
+        # readings kept, at least a second apart: refreshes a second apart may keep fewer)
         lines = browser.find_elements(By.CSS_SELECTOR, ".chart svg polyline")
+        while time.monotonic() < deadline and not lines:
+            time.sleep(0.5)
+            lines = browser.find_elements(By.CSS_SELECTOR, ".chart svg polyline")
         assert len(lines) == 4
+        assert browser.execute_script("return window.__loaded_once;") == "yes"
         assert "stale" not in (
             browser.find_element(By.ID, "live-status").get_attribute("class") or ""
         )

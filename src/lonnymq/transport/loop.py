@@ -246,6 +246,10 @@ class LoopConsumer:
                 self.fetcher.submit([])  # no fetch within a few ms to carry them: send them
         if retry_ms is not None:
             self.retry_in(retry_ms / 1000 + 0.001)
+        now = time.monotonic()
+        due = rounds.channel_timer(transport, now)
+        if due is not None:
+            self.retry_in(due - now)
         self.sync_listen()
 
     def retry_in(self, seconds: float) -> None:

@@ -41,6 +41,20 @@ def fetch_jobs(transport: TransportLike, wanted: Wanted) -> tuple[list[Job], int
     return jobs, retry_ms
 
 
+def channel_timer(transport: TransportLike, now: float) -> float | None:
+    """When the soonest timer of a consuming channel still to come is due (monotonic time,
+    just after it): a delayed message, a lock or a rate's next token its last fetch was told
+    of. Looked up afresh each time, so a sooner timer never hides a later one: the consumer
+    arms only the soonest, and finds the next one here once that has fired. One already due
+    makes its channel awake (see ``SleepKeys.asleep``); it is not a timer any more."""
+    dues = [
+        c.retry_at
+        for c in transport.channels
+        if c.retry_at is not None and c.retry_at > now and c._consumers and not c.closed
+    ]
+    return min(dues) + 0.001 if dues else None
+
+
 def run_fetches(transport: TransportLike, jobs: list[Job]) -> Fetched:
     """Run ``jobs`` (each dequeue carries the acks buffered since the last). When one
     fails, the messages the others brought are released and the error raised."""

@@ -374,6 +374,9 @@ class Transport(virtual.Transport):
             if not wanted and not (owner and self.acks.pending()):
                 if deadline is not None and now >= deadline:
                     raise TimeoutError()
+                due = rounds.channel_timer(self, now)
+                if due is not None:
+                    self._timer_at = due if self._timer_at is None else min(self._timer_at, due)
                 wake_at = min(t for t in (self._poll_at, self._timer_at, deadline) if t is not None)
                 queues = {q for c in self.channels if c._consumers for q in c._active_queues}
                 woken = self._wait(wake_at - now, queues)
