@@ -473,12 +473,13 @@ def test_retries_wait_in_postgres_as_delayed(
         gaps = [b - a for a, b in itertools.pairwise(times)]
         assert all(0.8 <= gap < 10 for gap in gaps), (key, gaps)
     # retry_backoff: 1 s, then 2 s. Each gap is its countdown plus the time the retry took to
-    # be published and picked up once due, which on a loaded machine varies by a second or
-    # more (CI saw 2.71 s then 2.02 s): the countdowns are checked, with that lateness allowed.
+    # be published and picked up once due (about 10 ms). CI once saw 2.71 s then 2.02 s: the
+    # retry's timer was hidden by a sooner one and left to the fallback poll (fixed, see
+    # test_wakeup.py::test_a_sooner_timer_does_not_hide_a_later_one); a second is allowed.
     times = [float(line.split()[1]) for line in env.lines("backoff")]
     first, second = (b - a for a, b in itertools.pairwise(times))
     print(f"backoff gaps {first:.2f} s, {second:.2f} s")  # (shown with pytest -s)
-    assert 0.8 <= first < 10 and 1.8 <= second < 12, (first, second)
+    assert 0.8 <= first < 2.0 and 1.8 <= second < 3.0, (first, second)
     final = stats(conn, env.schema)
     assert final.total == 0
 
