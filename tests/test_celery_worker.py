@@ -404,7 +404,8 @@ def test_pools_run_tasks_and_return_results(
 
 def missing_tasks(env: Env, pg_dsn: str, worker: Worker, results: list[Any]) -> str:
     """What a failed wait leaves to look at: the tasks not done, whether the worker's log
-    names them, the schema's messages, lanes and channel counts."""
+    names them, the schema's messages, lanes, counts and sessions, and what a fresh
+    session's dequeue of the task queue gets."""
     log = worker.log.read_text(errors="replace") if worker.log.exists() else ""
     lines = [
         f"task {r.id}: state {r.state}, received in the log: {f'{r.id}] received' in log}"

@@ -35,7 +35,7 @@ from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult
 from . import rounds
 from .interfaces import ChannelLike, Job, TransportLike
-from .sleep import Change, Settled, Wanted, sooner
+from .sleep import Change, Owed, Settled, Wanted, sooner
 
 logger = logging.getLogger("lonnymq.transport")
 
@@ -131,8 +131,7 @@ class LoopConsumer:
         self.listen_fd: int | None = None
         self.retry_at: float | None = None
         self.retry_timer: Any = None
-        self._lock = threading.Lock()
-        self._wanted = Wanted(awake=True)  # why to fetch (cleared when a fetch starts)
+        self._owed = Owed(Wanted(awake=True))  # why to fetch (taken when a fetch starts)
         self.fetcher = Fetcher(transport, self.waiter.wake)
         self.fetcher.start()
         loop.add_reader(self.waiter.wake_fd, self.on_wake)
@@ -144,16 +143,9 @@ class LoopConsumer:
         """There may be something to fetch, or acks to send (any thread; wake the loop too):
         in the channels consuming ``queues``; None: in those awake (``every``: in every
         channel, those asleep too)."""
-        with self._lock:
-            if queues is None:
-                self._wanted.add(Wanted(every=every, awake=True))
-            else:
-                self._wanted.queues.update(queues)
-
-    def _take_wanted(self) -> Wanted:
-        with self._lock:
-            wanted, self._wanted = self._wanted, Wanted()
-        return wanted
+        self._owed.add(
+            Wanted(every=every, awake=True) if queues is None else Wanted(queues=set(queues))
+        )
 
     def close(self) -> None:
         """Leave the loop: the fetch in flight is waited for (its messages are released,
@@ -236,7 +228,7 @@ class LoopConsumer:
             # channel is fetched in the same round as the task's, see rounds.deliver_in_order)
             self.want(self.waiter.notified(change.consumed if change else self._consumed()))
             jobs: list[Job] = []
-            wanted = self._take_wanted()
+            wanted = self._owed.take()
             if wanted:
                 jobs, wait = rounds.fetch_jobs(transport, wanted)
                 retry_ms = sooner(retry_ms, wait)

@@ -24,10 +24,11 @@ take per message.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from ..queue.dequeue import sleep_op
 from .connection import Waiter
@@ -36,8 +37,11 @@ from .connection import Waiter
 UNSETTLED_RETRY_MS = 20
 
 
-def sooner(ms: int | None, other: int | None) -> int | None:
-    """The sooner of two delays in ms (None: no delay, nothing is due)."""
+When = TypeVar("When", int, float)
+
+
+def sooner(ms: When | None, other: When | None) -> When | None:
+    """The sooner of two delays in ms, or of two due times (None: nothing is due)."""
     if ms is None:
         return other
     return ms if other is None else min(ms, other)
@@ -104,6 +108,25 @@ class Wanted:
         self.every = self.every or other.every
         self.awake = self.awake or other.awake
         self.queues.update(other.queues)
+
+
+class Owed:
+    """Why a consumer is to fetch next: added to from any thread (a NOTIFY, an ack, a timer,
+    a look owed after keys were taken), taken whole by the thread that fetches. What a call
+    takes and cannot act on (it failed) it adds back."""
+
+    def __init__(self, wanted: Wanted) -> None:
+        self._wanted = wanted
+        self._lock = threading.Lock()
+
+    def add(self, wanted: Wanted) -> None:
+        with self._lock:
+            self._wanted.add(wanted)
+
+    def take(self) -> Wanted:
+        with self._lock:
+            wanted, self._wanted = self._wanted, Wanted()
+        return wanted
 
 
 class SleepKeys:

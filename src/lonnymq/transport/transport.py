@@ -30,7 +30,7 @@ from .heartbeat import Heartbeat
 from .loop import LoopConsumer
 from .options import Options
 from .registry import Registry
-from .sleep import Settled, SleepKeys, Wanted, sooner
+from .sleep import Owed, Settled, SleepKeys, Wanted, sooner
 from .sweep import Sweeper, sweeper_for
 
 logger = logging.getLogger("lonnymq.transport")
@@ -93,8 +93,7 @@ class Transport(virtual.Transport):
         # drain_events, across calls: why to fetch next (kept when a call returns with a look
         # still owed, e.g. in the channels whose sleep keys it just took), when its timer is
         # due, and when the fallback poll is (on its own schedule: wake-ups do not delay it)
-        self._wanted = Wanted(awake=True)
-        self._wanted_lock = threading.Lock()
+        self._owed = Owed(Wanted(awake=True))
         self._timer_at: float | None = None
         self._poll_at: float | None = None
         self._heartbeat: Heartbeat | None = None
@@ -365,23 +364,22 @@ class Transport(virtual.Transport):
                 self._poll_at = now + interval
             if now >= self._poll_at:
                 self._poll_at = now + interval
-                self._want(Wanted(every=True, awake=True))
+                self._owed.add(Wanted(every=True, awake=True))
             timer = self._timer_at
             if timer is not None and now >= timer:
                 self._timer_at = None
-                self._want(Wanted(awake=True))
-            wanted = self._take_wanted()
+                self._owed.add(Wanted(awake=True))
+            wanted = self._owed.take()
             if not wanted and not (owner and self.acks.pending()):
                 if deadline is not None and now >= deadline:
                     raise TimeoutError()
                 due = rounds.channel_timer(self, now)
-                if due is not None:
-                    self._timer_at = due if self._timer_at is None else min(self._timer_at, due)
+                self._timer_at = sooner(self._timer_at, due)
                 wake_at = min(t for t in (self._poll_at, self._timer_at, deadline) if t is not None)
                 queues = {q for c in self.channels if c._consumers for q in c._active_queues}
                 woken = self._wait(wake_at - now, queues)
                 if woken is not False:
-                    self._want(
+                    self._owed.add(
                         Wanted(queues=woken) if isinstance(woken, set) else Wanted(awake=True)
                     )
                 continue  # woken, or a timer, the poll or the caller's timeout is due
@@ -391,16 +389,15 @@ class Transport(virtual.Transport):
                 retry_ms = sooner(retry_ms, retry)
                 settled = self.settle_sleep()
             except BaseException:
-                self._want(wanted)  # still owed: the next call (after a reconnect) looks there
+                self._owed.add(wanted)  # still owed: the next call (after a reconnect) looks there
                 raise
             if delivered or again:
-                self._want(Wanted(awake=True))
+                self._owed.add(Wanted(awake=True))
             if settled is not None:
-                self._want(Wanted(queues=set(settled.look_again)))
+                self._owed.add(Wanted(queues=set(settled.look_again)))
                 retry_ms = sooner(retry_ms, settled.retry_ms)
             if retry_ms is not None:
-                due = time.monotonic() + retry_ms / 1000 + 0.001
-                self._timer_at = due if self._timer_at is None else min(self._timer_at, due)
+                self._timer_at = sooner(self._timer_at, time.monotonic() + retry_ms / 1000 + 0.001)
             if delivered:
                 total += delivered
                 if owner and total < self.options.batch_size and time.monotonic() - started < 0.05:
@@ -410,16 +407,7 @@ class Transport(virtual.Transport):
                 return
             if owner and self.acks.pending():
                 self.send_acks(self.acks.take())
-                self._want(Wanted(awake=True))  # acks free prefetch room: look again
-
-    def _want(self, wanted: Wanted) -> None:
-        with self._wanted_lock:
-            self._wanted.add(wanted)
-
-    def _take_wanted(self) -> Wanted:
-        with self._wanted_lock:
-            wanted, self._wanted = self._wanted, Wanted()
-        return wanted
+                self._owed.add(Wanted(awake=True))  # acks free prefetch room: look again
 
     def settle_sleep(self) -> Settled | None:
         """Take and release ``sleep`` keys for the channels as they are now (None: nothing to
