@@ -310,8 +310,7 @@ def test_a_late_rpc_result_does_not_re_create_a_reply_queue_that_went(
     """A client waited 0.5 s for a slow task's result, gave up and exited: its reply queue
     (``auto_delete``) went with its consumer, as on RabbitMQ. The result the worker sends
     later is dropped: it used to re-create the queue, without its ``x-expires``, for ever.
-    Then a client that never read its reply queue: it goes at its ``x-expires``, and a
-    result after that is dropped too."""
+    (A reply queue that goes at its ``x-expires``: the test below.)"""
     _, log = app.worker("w0")
     reply = app.client("late", "2")
     assert queue_row(conn, schema, reply) is None  # gone with the client's consumer
@@ -326,6 +325,30 @@ def test_a_late_rpc_result_does_not_re_create_a_reply_queue_that_went(
         (reply,),
     ).fetchone()
     assert gone == ("auto_delete",)
+
+
+def test_a_late_publish_does_not_re_create_a_queue_swept_at_its_expiry(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A reply queue that nobody read goes at its ``x-expires``; a result published to it
+    after that (by the default exchange, as an ``rpc://`` result is) is dropped, as on
+    RabbitMQ, instead of re-creating the queue without its ``x-expires``."""
+    with make_connection(expire_interval=0.1) as c:
+        Queue("reply.late", expires=0.5)(c.default_channel).declare()
+        assert queue_row(conn, schema, "reply.late") is not None
+        time.sleep(0.8)  # > x-expires
+        c.Producer().publish("x", routing_key="elsewhere")  # sweeps on the way
+        assert queue_row(conn, schema, "reply.late") is None
+        gone = conn.execute(
+            sql.SQL("SELECT reason FROM {} WHERE name = %s").format(
+                sql.Identifier(schema, "queue_gone")
+            ),
+            ("reply.late",),
+        ).fetchone()
+        assert gone == ("expired",)
+        c.Producer().publish({"result": 2}, routing_key="reply.late")  # the late result
+        assert queue_row(conn, schema, "reply.late") is None
+        assert messages_of(conn, schema, "reply.late") == 0
 
 
 @pytest.mark.slow
