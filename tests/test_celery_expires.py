@@ -2,13 +2,16 @@
 # (celery and kombu are untyped)
 """Celery's ``expires=``: a task that expires while it waits ends REVOKED, as on RabbitMQ and
 Redis, rather than being dropped by the broker (Celery sends ``expires`` as the message's
-``expiration`` too). A plain Kombu message's ``expiration`` still drops it. Real worker
-processes (the app of ``tests/test_celery_worker.py``, results through ``rpc://``)."""
+``expiration`` too), and monitoring hears of it (a ``task-revoked`` event). A plain Kombu
+message's ``expiration`` still drops it. Real worker processes (the app of
+``tests/test_celery_worker.py``, results through ``rpc://``)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -18,7 +21,7 @@ from kombu.connection import Connection
 from psycopg import sql
 
 from tests import test_celery_worker
-from tests.test_celery_worker import Env, Worker
+from tests.test_celery_worker import Env, Worker, wait_for
 
 Conn = psycopg.Connection[Any]
 pytestmark = pytest.mark.slow
@@ -72,3 +75,96 @@ def test_a_celery_task_keeps_its_message_until_a_worker_revokes_it(
     kept, explicit, plain = _expires_at(conn, schema, "exp")
     assert kept is None
     assert explicit is not None and plain is not None
+
+
+@contextlib.contextmanager
+def captured_events(env: Env) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """Capture every Celery event (``app.events.Receiver`` on a lonnymq connection, in a
+    thread) while the block runs; yields a function that returns those received so far."""
+    events: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def on_event(event: dict[str, Any]) -> None:
+        with lock:
+            events.append(event)
+
+    def seen() -> list[dict[str, Any]]:
+        with lock:
+            return list(events)
+
+    with env.app.connection() as connection:
+        receiver = env.app.events.Receiver(connection, handlers={"*": on_event})
+
+        def capture() -> None:
+            try:
+                receiver.capture(limit=None, timeout=None, wakeup=False)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=capture, daemon=True)
+        thread.start()
+        try:
+            yield seen
+        finally:
+            receiver.should_stop = True
+            thread.join(timeout=10)
+    assert errors == []
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("pool_args", "prefetch"),
+    [(("--pool", "solo"), "4"), (("--pool", "prefork", "-c", "1"), "1")],
+    ids=["solo", "prefork"],
+)
+def test_monitoring_sees_a_task_that_expired_while_it_waited(
+    env: Env, workers: Callable[..., Worker], pool_args: tuple[str, ...], prefetch: str
+) -> None:
+    """A worker with task events on (``-E``, Celery's defaults otherwise) busy with 3 tasks of
+    2 s; a task sent with ``expires=1`` behind them waits in the queue past its ``expires``
+    (the solo pool fetches no task while one runs; a prefork child with a prefetch of 1 holds
+    one task besides the one it runs). Monitoring hears of it as Celery's worker tells it on
+    RabbitMQ: a ``task-revoked`` event from that worker with ``expired=True``, which Celery's
+    event state (Flower's, ``celery events``') turns into ``REVOKED``; it is never received,
+    started or run."""
+    worker = workers(*pool_args, "-E", extra_env={"LMQ_PREFETCH": prefetch})
+    with captured_events(env) as seen:
+        # the receiver's event queue is bound once it hears the worker's heartbeats (every 2 s)
+        wait_for(
+            lambda: any(e["type"] == "worker-heartbeat" for e in seen()),
+            20,
+            "a worker-heartbeat",
+            worker,
+        )
+        sleeper = env.task("sleeper")
+        busy = [sleeper.delay(2, "busy") for _ in range(3)]
+        late = env.task("add").apply_async((1, 1), expires=1)
+        with pytest.raises(TaskRevokedError):
+            late.get(timeout=30)
+        assert [r.get(timeout=20) for r in busy] == [2, 2, 2]
+        wait_for(
+            lambda: any(e["type"] == "task-revoked" for e in seen() if e.get("uuid") == late.id),
+            10,
+            "the expired task's task-revoked event",
+            worker,
+        )
+        # the busy tasks' last events (task-succeeded) came after the expired one's
+        wait_for(
+            lambda: sum(e["type"] == "task-succeeded" for e in seen()) >= 3,
+            10,
+            "the busy tasks' task-succeeded events",
+            worker,
+        )
+    events = seen()
+    mine = [e for e in events if e.get("uuid") == late.id]
+    assert [e["type"] for e in mine] == ["task-revoked"], mine
+    (revoked,) = mine
+    assert revoked["expired"] is True, revoked
+    assert revoked["terminated"] is False, revoked
+    assert revoked["hostname"].startswith(worker.name + "@"), revoked
+    state = env.app.events.State()
+    for event in events:
+        state.event(event)
+    assert state.tasks[late.id].state == "REVOKED"
+    assert all(state.tasks[r.id].state == "SUCCESS" for r in busy)
