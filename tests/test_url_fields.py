@@ -3,6 +3,7 @@ userid, password, virtual_host (the database); masking; kombu's failover between
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,13 +85,18 @@ def test_a_url_with_libpq_parameters_keeps_them_and_hides_its_password(
     c = Connection(url, transport_options={"schema": schema})
     connections.append(c)
     info = c.info()
-    assert (info["port"], info["userid"], info["virtual_host"]) == (
+    assert (info["hostname"], info["port"], info["userid"], info["virtual_host"]) == (
+        s["host"],
         int(s["port"]),
         s["user"],
         s["db"],
     )
-    # kombu has no field for sslmode: the URL stays in hostname (for clone()), password apart
-    assert "pw1" not in info["hostname"] and "sslmode=disable" in info["hostname"]
+    # kombu has no field for sslmode: the transport option connection_params holds it (and
+    # clone() and pickling keep it); the caller's transport options are left as they were
+    assert c.transport_options == {
+        "schema": schema,
+        "connection_params": {"application_name": "from-url", "sslmode": "disable"},
+    }
     assert c.password == "pw1"
     assert c.as_uri() == (
         f"lonnymq://{s['user']}:**@{s['host']}:{s['port']}/{s['db']}"
@@ -101,6 +107,63 @@ def test_a_url_with_libpq_parameters_keeps_them_and_hides_its_password(
     connections.append(clone)
     _round_trip(clone, "fields-clone")
     assert _session(clone)["sslmode"] == "disable"
+    assert _session(clone)["application_name"] == "from-url"
+    revived = pickle.loads(pickle.dumps(c))
+    connections.append(revived)
+    assert revived.as_uri() == c.as_uri()
+    _round_trip(revived, "fields-pickled")
+    assert _session(revived)["application_name"] == "from-url"
+
+
+def test_a_host_list_with_a_port_per_host(
+    server: dict[str, str], schema: str, connections: list[Connection]
+) -> None:
+    """libpq tries the hosts in turn: the first is down, the second answers. kombu's fields
+    say the hosts and the first port; the ports of each go to connection_params."""
+    s = server
+    url = f"lonnymq://{s['user']}@127.0.0.1:1,{s['host']}:{s['port']}/{s['db']}"
+    c = Connection(url, transport_options={"schema": schema})
+    connections.append(c)
+    assert (c.hostname, c.port) == (f"127.0.0.1,{s['host']}", 1)
+    assert c.transport_options["connection_params"] == {
+        "host": f"127.0.0.1,{s['host']}",
+        "port": f"1,{s['port']}",
+    }
+    assert c.as_uri() == url
+    _round_trip(c, "host-list")
+    assert c.transport.pg.connection().info.port == int(s["port"])
+
+
+def test_connection_params_with_separate_fields(
+    server: dict[str, str], schema: str, connections: list[Connection]
+) -> None:
+    """A Connection made of separate fields takes libpq parameters from the transport option;
+    a typo in their names, or a value libpq would refuse, is named at once."""
+    s = server
+    c = Connection(
+        hostname=s["host"],
+        port=int(s["port"]),
+        userid=s["user"],
+        virtual_host=s["db"],
+        transport="lonnymq",
+        transport_options={"schema": schema, "connection_params": {"application_name": "byhand"}},
+    )
+    connections.append(c)
+    assert c.as_uri().endswith("?application_name=byhand")
+    _round_trip(c, "by-hand")
+    assert _session(c)["application_name"] == "byhand"
+    for params, message in (
+        ({"sslmod": "require"}, "'sslmod' is not a libpq parameter (did you mean 'sslmode'?)"),
+        ({"sslmode": "requir"}, "invalid sslmode 'requir' in transport option connection_params"),
+        ("sslmode=require", "must be a dict of libpq parameters"),
+    ):
+        bad = Connection(
+            s["host"], transport="lonnymq", transport_options={"connection_params": params}
+        )
+        with pytest.raises(lonnymq.ConfigurationError) as err:
+            bad.connect()
+        assert message in str(err.value)
+        bad.release()
 
 
 def test_failover_to_the_second_url_with_libpq_parameters_in_both(
@@ -163,11 +226,26 @@ def test_fields_are_filled_when_the_connection_is_made() -> None:
         "s3cr3t",
         "app",
     )
-    # with libpq parameters: they stay in hostname, the password does not
-    c = Connection("lonnymq://alice:s3cr3t@db.example:5433/app?sslmode=require")
-    assert (c.port, c.userid, c.password, c.virtual_host) == (5433, "alice", "s3cr3t", "app")
-    assert c.hostname == "lonnymq://alice@db.example:5433/app?sslmode=require"
+    # with libpq parameters: the fields as without them, the parameters in connection_params
+    options = {"schema": "s"}
+    c = Connection(
+        "lonnymq://alice:s3cr3t@db.example:5433/app?sslmode=require", transport_options=options
+    )
+    assert (c.hostname, c.port, c.userid, c.password, c.virtual_host) == (
+        "db.example",
+        5433,
+        "alice",
+        "s3cr3t",
+        "app",
+    )
+    assert c.transport_options == {"schema": "s", "connection_params": {"sslmode": "require"}}
+    assert options == {"schema": "s"}  # the caller's dict is not changed
     assert "transport" not in c.__dict__
+    # no host: libpq's default (its socket), not localhost over TCP
+    c = Connection("lonnymq:///app?user=alice")
+    assert (c.hostname, c.userid, c.virtual_host) == ("localhost", "alice", "app")
+    assert c.transport_options == {"connection_params": {"host": ""}}
+    assert c.as_uri() == "lonnymq://alice@/app"
     # the class path instead of the alias; a URL given as a list of alternates
     c = Connection(
         ["lonnymq://u:pw@h1:6001/d1", "lonnymq://v@h2:6002/d2"],

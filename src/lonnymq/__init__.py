@@ -95,27 +95,27 @@ def _fill_fields_when_made() -> None:
     ``port``, ``userid``, ``password``, ``virtual_host``) when the Connection is made; it
     leaves a URL whole for a transport that parses its own (``can_parse_url``), as lonnymq
     must (libpq's URLs say more than kombu's parser takes). kombu has no hook for that, so
-    the method it fills its fields with (``Connection._init_params``, called when the
-    Connection is made and when it fails over to another URL) is wrapped once: for a lonnymq
-    URL it then fills the fields as :func:`lonnymq.transport.url.adopt_url` does. A URL that
-    does not parse is left as it is, for the transport to refuse on first use."""
+    ``Connection.__init__`` is wrapped once: for a lonnymq URL it then fills the fields, and
+    the transport option ``connection_params`` with the URL's libpq parameters, as
+    :func:`lonnymq.transport.url.adopt_url` does (after kombu set ``transport_options``). A URL
+    that does not parse is left as it is, for the transport to refuse on first use."""
     from kombu.connection import Connection
 
-    init_params: Any = Connection._init_params
-    if getattr(init_params, "_lonnymq", False):
+    init: Any = Connection.__init__
+    if getattr(init, "_lonnymq", False):
         return
 
-    @functools.wraps(init_params)
-    def _init_params(self: Any, *args: Any, **kwargs: Any) -> None:
-        init_params(self, *args, **kwargs)
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
         hostname = self.hostname
         if isinstance(hostname, str) and "://" in hostname and _is_lonnymq(self.transport_cls):
             from .transport.url import fill_fields
 
             fill_fields(self)
 
-    _init_params._lonnymq = True  # type: ignore[attr-defined]
-    Connection._init_params = _init_params  # type: ignore[method-assign]
+    __init__._lonnymq = True  # type: ignore[attr-defined]
+    Connection.__init__ = __init__  # type: ignore[method-assign]
 
 
 _register_transport()

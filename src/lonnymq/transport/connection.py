@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 from .. import migrator
 from ..dsn import mask_password
@@ -77,7 +78,9 @@ atexit.register(_close_at_exit)
 
 
 def _open(conninfo: str, connect_timeout: float | None, role: str) -> psycopg.Connection[Any]:
-    kwargs: dict[str, Any] = {"autocommit": True, "application_name": f"lonnymq-{role}"}
+    kwargs: dict[str, Any] = {"autocommit": True}
+    if "application_name" not in conninfo_to_dict(conninfo):  # the URL's own wins
+        kwargs["application_name"] = f"lonnymq-{role}"
     if connect_timeout:
         kwargs["connect_timeout"] = max(1, int(connect_timeout))
     try:

@@ -81,6 +81,11 @@ class Options:
     consumer_commit: str = "async"
     #: Seconds to wait for a connection to Postgres.
     connect_timeout: float | None = None
+    #: libpq parameters kombu's Connection has no field for (``{"sslmode": "require"}``,
+    #: ``application_name``, ``target_session_attrs``; ``host`` and ``port`` lists for a port
+    #: per host). Filled from the broker URL's query when the Connection is made (the URL's
+    #: win over the ones given here), so that kombu's fields hold what they do for amqp.
+    connection_params: dict[str, Any] | None = None
     #: Channel policies declared in configuration, applied when a process first connects:
     #: ``{queue: {"default": {"max_concurrency": n, "max_size": n},
     #: "channels": {channel: {...}}, "settings": {"max_attempts": n, "dead_letter": bool,
@@ -135,6 +140,8 @@ class Options:
                 )
         if self.connect_timeout is not None:
             _seconds("connect_timeout", self.connect_timeout, low=0)
+        if self.connection_params is not None:
+            url.check_connection_params(self.connection_params)
         if self.listen_dsn is not None:
             try:
                 url.to_conninfo(self.listen_dsn)

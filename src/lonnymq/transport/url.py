@@ -10,20 +10,22 @@ kombu's ``Connection`` has fields for a host, port, user, password, database and
 timeout, and fills them itself for transports whose URL it parses. It cannot parse ours (a
 libpq parameter in the query is a ``TypeError`` to it, several ``HOST:PORT`` pairs a
 ``ValueError``), so lonnymq fills them (:func:`fill_fields`) when the Connection is made
-(``import lonnymq`` wraps kombu's ``Connection._init_params`` for it), and the transport
-again when kombu creates it (:func:`adopt_url`).
+(``import lonnymq`` wraps kombu's ``Connection.__init__`` for it), and the transport again
+when kombu creates it (:func:`adopt_url`). What the fields cannot hold (``sslmode`` and the
+other libpq parameters, a port per host) goes to the transport option ``connection_params``
+(:data:`PARAMS_OPTION`), which ``Connection.clone()`` and pickling keep.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..dsn import PASSWORD_IN_URL, SCHEMES, mask_password, scheme_problem
+from ..dsn import SCHEMES, mask_password, meant, scheme_problem
 from ..exceptions import ConfigurationError
 
 
@@ -45,7 +47,7 @@ def to_conninfo(url: str) -> str:
     for port in str(params.get("port") or "").split(","):
         if port and not (port.isdigit() and 0 < int(port) < 65536):
             raise ConfigurationError(f"invalid port {port!r} in broker URL {mask_password(url)!r}")
-    check_params(params, url)
+    check_params(params, f"broker URL {mask_password(url)!r}")
     return url
 
 
@@ -69,21 +71,40 @@ _CHOICES = {
 _INTEGERS = ("connect_timeout", "keepalives", "keepalives_idle", "keepalives_interval")
 
 
-def check_params(params: dict[str, Any], url: str) -> None:
+def check_params(params: dict[str, Any], where: str) -> None:
+    """Refuse a libpq parameter whose value libpq would refuse only when connecting; ``where``
+    says where it was given (``broker URL '...'``)."""
     for key, choices in _CHOICES.items():
         value = params.get(key)
         if value is not None and str(value) not in choices:
             raise ConfigurationError(
-                f"invalid {key} {str(value)!r} in broker URL {mask_password(url)!r}: "
-                f"expected one of {', '.join(choices)}"
+                f"invalid {key} {str(value)!r} in {where}: expected one of {', '.join(choices)}"
             )
     for key in _INTEGERS:
         value = params.get(key)
         if value is not None and not str(value).strip().lstrip("-").isdigit():
             raise ConfigurationError(
-                f"invalid {key} {str(value)!r} in broker URL {mask_password(url)!r}: "
-                "expected an integer"
+                f"invalid {key} {str(value)!r} in {where}: expected an integer"
             )
+
+
+def check_connection_params(params: object) -> None:
+    """The transport option ``connection_params``: libpq parameters by name."""
+    where = f"transport option {PARAMS_OPTION}"
+    if not isinstance(params, dict) or not all(isinstance(k, str) for k in params):
+        raise ConfigurationError(
+            f"{where} must be a dict of libpq parameters, such as {{'sslmode': 'require'}}"
+        )
+    for key, value in params.items():
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ConfigurationError(f"{where}: {key} must be text or an integer, not {value!r}")
+    known = {str(d.keyword.decode()) for d in psycopg.pq.Conninfo.get_defaults()}
+    for key in params:
+        if key not in known:
+            raise ConfigurationError(
+                f"{where}: {key!r} is not a libpq parameter{meant(key, known)}"
+            )
+    check_params(params, where)
 
 
 def from_fields(
@@ -92,17 +113,19 @@ def from_fields(
     userid: str | None,
     password: str | None,
     database: str | None,
-    **extra: Any,
+    extra: dict[str, Any] | None = None,
 ) -> str:
-    """A libpq connection string from kombu's separate connection fields."""
-    params = {
+    """A libpq connection string from kombu's separate connection fields; ``extra`` (libpq
+    parameters, such as the transport option ``connection_params``) adds to them, and wins
+    over them (a host list with a port per host)."""
+    params: dict[str, Any] = {
         "host": hostname or None,
         "port": port or None,
         "user": userid or None,
         "password": password or None,
         "dbname": database or None,
-        **extra,
     }
+    params.update(extra or {})
     try:
         return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
     except psycopg.ProgrammingError as exc:
@@ -139,8 +162,6 @@ def _has_password(url: str) -> bool:
         return True  # shown masked as it is
 
 
-#: The libpq parameters kombu's Connection has a field for.
-_FIELD_PARAMS = frozenset({"host", "port", "user", "password", "dbname", "connect_timeout"})
 #: The keywords kombu's Connection takes from a URL it parses (``Connection._init_params``): it
 #: parses every URL it fails over to, alternates and the first URL alike.
 _KOMBU_URL_KEYS = frozenset(
@@ -161,50 +182,63 @@ _KOMBU_URL_KEYS = frozenset(
 )
 
 
+#: The transport option holding the libpq parameters of a broker URL that kombu's Connection
+#: has no field for: ``{"sslmode": "require", "application_name": "app"}``; a host list's
+#: ``host`` and ``port`` when the fields cannot say them (a port per host, no host at all:
+#: libpq's default socket). Filled from the URL when the Connection is made; it can be given
+#: by hand with a Connection made of separate fields. The URL's parameters win over it.
+PARAMS_OPTION = "connection_params"
+
+
 @dataclass(frozen=True)
 class Fields:
     """kombu ``Connection`` fields for a broker URL."""
 
-    #: The host (or hosts, comma-separated, as libpq takes them); the URL, without its
-    #: password, when it holds more than kombu's fields can (parameters such as ``sslmode``,
-    #: a port per host), so that ``Connection.clone()`` keeps them.
+    #: The host, or hosts (comma-separated, as libpq takes them).
     hostname: str
+    #: The port (of the first host, when each has its own).
     port: int | None
     userid: str | None
     password: str | None
     virtual_host: str | None
     connect_timeout: float | None
+    #: What the fields cannot hold: see :data:`PARAMS_OPTION`.
+    params: dict[str, str]
 
 
 def split(url: str) -> Fields:
     """kombu's Connection fields for a broker URL (raises ConfigurationError if invalid)."""
-    params = conninfo_to_dict(to_conninfo(url))
-    host = str(params.get("host") or "")
-    ports = str(params.get("port") or "")
-    password = params.get("password")
-    timeout = params.get("connect_timeout")
-    if set(params) <= _FIELD_PARAMS and "," not in host and "," not in ports:
-        hostname = host or "localhost"
-    else:
-        hostname = _without_password(url)
+    params = {k: str(v) for k, v in conninfo_to_dict(to_conninfo(url)).items()}
+    host = params.pop("host", "")
+    ports = params.pop("port", "")
+    user = params.pop("user", None)
+    password = params.pop("password", None)
+    dbname = params.pop("dbname", None)
+    timeout = params.pop("connect_timeout", None)
+    port_list = ports.split(",") if ports.strip(",") else []
+    one_port = len(set(port_list)) <= 1 and "" not in port_list
+    if not host or not one_port:
+        # a port per host, or libpq's default host (its socket): the fields cannot say it
+        params["host"] = host
+        if ports:
+            params["port"] = ports
     return Fields(
-        hostname=hostname,
-        port=int(ports.split(",")[0]) if ports and "," not in ports else None,
-        userid=str(params["user"]) if params.get("user") else None,
-        password=str(password) if password is not None else None,
-        virtual_host=str(params["dbname"]) if params.get("dbname") else None,
-        connect_timeout=float(str(timeout)) if timeout is not None else None,
+        hostname=host or "localhost",
+        port=int(port_list[0]) if port_list and port_list[0] else None,
+        userid=user or None,
+        password=password,
+        virtual_host=dbname or None,
+        connect_timeout=float(timeout) if timeout is not None else None,
+        params=params,
     )
 
 
-def _without_password(url: str) -> str:
-    """``url`` with no password, in its user info or its query (where ``sslpassword`` stays)."""
-    url = PASSWORD_IN_URL.sub(lambda m: m[1][:-1] + m[3], url)
-    if "?" not in url:
-        return url
-    base, query = url.split("?", 1)
-    kept = [p for p in query.split("&") if p.split("=", 1)[0].lower() != "password"]
-    return base + ("?" + "&".join(kept) if kept else "")
+def connection_params(client: Any) -> dict[str, Any]:
+    """The libpq parameters a kombu Connection holds besides its fields (see
+    :data:`PARAMS_OPTION`)."""
+    options = getattr(client, "transport_options", None) or {}
+    params = options.get(PARAMS_OPTION) if isinstance(options, dict) else None
+    return dict(params) if isinstance(params, dict) else {}
 
 
 def with_password(conninfo: str, password: str | None) -> str:
@@ -244,17 +278,27 @@ def check_alternates(urls: list[Any]) -> None:
 
 
 def from_client(client: Any, include_password: bool, mask: str) -> str:
-    """The URL to show for a kombu Connection whose fields hold the host (no URL)."""
+    """The URL to show for a kombu Connection whose fields hold the host (no URL), with the
+    libpq parameters of its transport option ``connection_params`` in the query."""
+    params = connection_params(client)
     user = quote(str(client.userid), safe="") if client.userid else ""
     if client.password and not callable(client.password):
         user += ":" + (quote(str(client.password), safe="") if include_password else mask)
-    host = str(client.hostname or "localhost")
-    netloc = (user + "@" if user else "") + quote(host, safe=",")
-    if client.port:
-        netloc += f":{client.port}"
+    hosts = str(params.pop("host", None) if "host" in params else client.hostname or "localhost")
+    ports = str(params.pop("port", None) if "port" in params else client.port or "").split(",")
+    host_list = hosts.split(",") if hosts else []
+    if len(ports) == 1:
+        ports = ports * max(1, len(host_list))  # libpq: one port for every host
+    netloc = ",".join(
+        quote(h, safe="") + (f":{p}" if p else "") for h, p in zip(host_list, ports, strict=False)
+    )
+    netloc = (user + "@" if user else "") + netloc
     vhost = client.virtual_host
     path = "/" + quote(str(vhost), safe="") if vhost not in (None, "", "/") else ""
-    return f"lonnymq://{netloc}{path}"
+    if not include_password and "sslpassword" in params:
+        params["sslpassword"] = mask
+    query = "?" + urlencode({k: str(v) for k, v in params.items()}, safe="*,") if params else ""
+    return f"lonnymq://{netloc}{path}{query}"
 
 
 def adopt_url(client: Any) -> None:
@@ -262,8 +306,8 @@ def adopt_url(client: Any) -> None:
     ``hostname``, since the transport parses its own URLs): ``hostname``, ``port``, ``userid``,
     ``password``, ``virtual_host`` (the database) and ``connect_timeout``, as kombu does for
     amqp and redis, so ``Connection.info()`` (Celery's ``inspect stats``, Flower) shows them, and
-    never the password. A URL with more than those (libpq parameters, several hosts) stays in
-    ``hostname``, without its password, so that ``Connection.clone()`` keeps it whole."""
+    never the password. The URL's libpq parameters go to the transport option
+    ``connection_params`` (a new dict: the caller's ``transport_options`` are not changed)."""
     hostname = client.hostname
     if not isinstance(hostname, str) or "://" not in hostname:
         return
@@ -276,6 +320,10 @@ def adopt_url(client: Any) -> None:
         client.virtual_host = fields.virtual_host
     if fields.connect_timeout is not None:
         client.connect_timeout = fields.connect_timeout
+    if fields.params:
+        options = dict(getattr(client, "transport_options", None) or {})
+        options[PARAMS_OPTION] = {**connection_params(client), **fields.params}
+        client.transport_options = options
 
 
 def fill_fields(client: Any) -> None:
@@ -305,16 +353,18 @@ def client_connect_timeout(client: Any) -> float | None:
 
 def client_conninfo(client: Any) -> str:
     """The libpq connection string of a kombu Connection: from its URL, or from its fields
-    (host, port, user, password, and the virtual host as the database)."""
+    (host, port, user, password, and the virtual host as the database) and its transport
+    option ``connection_params``."""
     hostname = client.hostname or "localhost"
+    password = client.password() if callable(client.password) else client.password
     if "://" in hostname:
-        password = client.password() if callable(client.password) else client.password
         return with_password(to_conninfo(hostname), password)
     vhost = client.virtual_host
     return from_fields(
         hostname,
         client.port,
         client.userid,
-        client.password() if callable(client.password) else client.password,
+        password,
         None if vhost in (None, "", "/") else vhost,
+        connection_params(client),
     )
