@@ -125,7 +125,7 @@ def test_a_host_list_with_a_port_per_host(
     c = Connection(url, transport_options={"schema": schema})
     connections.append(c)
     assert (c.hostname, c.port) == (f"127.0.0.1,{s['host']}", 1)
-    assert c.transport_options["connection_params"] == {
+    assert (c.transport_options or {})["connection_params"] == {
         "host": f"127.0.0.1,{s['host']}",
         "port": f"1,{s['port']}",
     }
