@@ -8,10 +8,8 @@ message's ``expiration`` still drops it. Real worker processes (the app of
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -21,7 +19,7 @@ from kombu.connection import Connection
 from psycopg import sql
 
 from tests import test_celery_worker
-from tests.test_celery_worker import Env, Worker, wait_for
+from tests.test_celery_worker import Env, Worker, captured_events, wait_for
 
 Conn = psycopg.Connection[Any]
 pytestmark = pytest.mark.slow
@@ -75,42 +73,6 @@ def test_a_celery_task_keeps_its_message_until_a_worker_revokes_it(
     kept, explicit, plain = _expires_at(conn, schema, "exp")
     assert kept is None
     assert explicit is not None and plain is not None
-
-
-@contextlib.contextmanager
-def captured_events(env: Env) -> Iterator[Callable[[], list[dict[str, Any]]]]:
-    """Capture every Celery event (``app.events.Receiver`` on a lonnymq connection, in a
-    thread) while the block runs; yields a function that returns those received so far."""
-    events: list[dict[str, Any]] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def on_event(event: dict[str, Any]) -> None:
-        with lock:
-            events.append(event)
-
-    def seen() -> list[dict[str, Any]]:
-        with lock:
-            return list(events)
-
-    with env.app.connection() as connection:
-        receiver = env.app.events.Receiver(connection, handlers={"*": on_event})
-
-        def capture() -> None:
-            try:
-                receiver.capture(limit=None, timeout=None, wakeup=False)
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        thread = threading.Thread(target=capture, daemon=True)
-        thread.start()
-        try:
-            yield seen
-        finally:
-            receiver.should_stop = True
-            thread.join(timeout=10)
-    assert errors == []
-    assert not thread.is_alive()
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -31,7 +30,15 @@ from psycopg import sql
 
 import lonnymq
 from tests.apps import close_app
-from tests.test_celery_worker import Env, Worker, _stop, launch, wait_for, worker_args
+from tests.test_celery_worker import (
+    Env,
+    Worker,
+    _stop,
+    captured_events,
+    launch,
+    wait_for,
+    worker_args,
+)
 
 #: multi-second tests (Celery workers, processes, servers): not in the fast subset
 pytestmark = pytest.mark.slow
@@ -320,51 +327,22 @@ def test_reject_on_worker_lost_redelivers(
 
 def test_events(env: Env, procs: Callable[..., Worker]) -> None:
     worker = procs("--pool", "threads", "-c", "2", "-E")
-    app = env.app
-    events: list[dict[str, Any]] = []
-    lock = threading.Lock()
-
-    def on_event(event: dict[str, Any]) -> None:
-        with lock:
-            events.append(event)
-
-    def seen() -> list[dict[str, Any]]:
-        with lock:
-            return list(events)
-
-    errors: list[BaseException] = []
-    with app.connection() as connection:
-        receiver = app.events.Receiver(connection, handlers={"*": on_event})
-
-        def capture() -> None:
-            try:
-                receiver.capture(limit=None, timeout=None, wakeup=False)
-            except BaseException as exc:  # pragma: no cover - reported below
-                errors.append(exc)
-
-        thread = threading.Thread(target=capture, daemon=True)
-        thread.start()
-        try:
-            wait_for(
-                lambda: any(e["type"] == "worker-heartbeat" for e in seen()),
-                15,
-                "a worker-heartbeat",
-                worker,
-            )
-            result = env.task("add").delay(20, 22)
-            assert get(result, worker) == 42
-            wanted = {"task-received", "task-started", "task-succeeded"}
-            wait_for(
-                lambda: wanted <= {e["type"] for e in seen() if e.get("uuid") == result.id},
-                10,
-                "the task events",
-                worker,
-            )
-        finally:
-            receiver.should_stop = True
-            thread.join(timeout=10)
-    assert errors == []
-    assert not thread.is_alive()
+    with captured_events(env) as seen:
+        wait_for(
+            lambda: any(e["type"] == "worker-heartbeat" for e in seen()),
+            15,
+            "a worker-heartbeat",
+            worker,
+        )
+        result = env.task("add").delay(20, 22)
+        assert get(result, worker) == 42
+        wanted = {"task-received", "task-started", "task-succeeded"}
+        wait_for(
+            lambda: wanted <= {e["type"] for e in seen() if e.get("uuid") == result.id},
+            10,
+            "the task events",
+            worker,
+        )
     mine = [e for e in seen() if e.get("uuid") == result.id]
     succeeded = next(e for e in mine if e["type"] == "task-succeeded")
     assert succeeded["result"] == "42"

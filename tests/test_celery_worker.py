@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -766,3 +767,39 @@ def test_channel_option_through_worker(
         pytest.fail(f"{exc!r}\nworker log:\n{worker.log_tail()}")
     assert got == sorted(f"{t}:{i * 2}" for i in range(6) for t in ("acme", "globex", "7"))
     assert len(env.lines("chan")) == 18
+
+
+@contextlib.contextmanager
+def captured_events(env: Env) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """Capture every Celery event (``app.events.Receiver`` on a lonnymq connection, in a
+    thread) while the block runs; yields a function that returns those received so far."""
+    events: list[dict[str, Any]] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def on_event(event: dict[str, Any]) -> None:
+        with lock:
+            events.append(event)
+
+    def seen() -> list[dict[str, Any]]:
+        with lock:
+            return list(events)
+
+    with env.app.connection() as connection:
+        receiver = env.app.events.Receiver(connection, handlers={"*": on_event})
+
+        def capture() -> None:
+            try:
+                receiver.capture(limit=None, timeout=None, wakeup=False)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=capture, daemon=True)
+        thread.start()
+        try:
+            yield seen
+        finally:
+            receiver.should_stop = True
+            thread.join(timeout=10)
+    assert errors == []
+    assert not thread.is_alive()
