@@ -211,6 +211,12 @@ def test_failover_urls_with_parameters_kombu_cannot_take_are_refused_at_once() -
         c.connect()
     assert "lonnymq://USER@HOST1:PORT,HOST2:PORT/DB" in str(err.value)
     c.release()
+    # no host (libpq's socket) in one of them: kombu's fields cannot say it for a failover
+    c = Connection("lonnymq:///db?user=u;lonnymq://u@b:5432/db")
+    with pytest.raises(lonnymq.ConfigurationError, match="no host in 'lonnymq:///db") as err:
+        c.connect()
+    assert "give each its host" in str(err.value)
+    c.release()
 
 
 def test_fields_are_filled_when_the_connection_is_made() -> None:

@@ -95,15 +95,14 @@ def check_connection_params(params: object) -> None:
         raise ConfigurationError(
             f"{where} must be a dict of libpq parameters, such as {{'sslmode': 'require'}}"
         )
-    for key, value in params.items():
-        if not isinstance(value, (str, int)) or isinstance(value, bool):
-            raise ConfigurationError(f"{where}: {key} must be text or an integer, not {value!r}")
     known = {str(d.keyword.decode()) for d in psycopg.pq.Conninfo.get_defaults()}
-    for key in params:
+    for key, value in params.items():
         if key not in known:
             raise ConfigurationError(
                 f"{where}: {key!r} is not a libpq parameter{meant(key, known)}"
             )
+        if not isinstance(value, (str, int)) or isinstance(value, bool):
+            raise ConfigurationError(f"{where}: {key} must be text or an integer, not {value!r}")
     check_params(params, where)
 
 
@@ -253,7 +252,9 @@ def check_alternates(urls: list[Any]) -> None:
 
     kombu parses each URL it fails over to with its own parser (``Connection.switch``), which
     takes no libpq parameter but ``connect_timeout`` and no ``HOST:PORT`` list: it would raise a
-    ``TypeError`` or ``ValueError`` at the first failover, not at start."""
+    ``TypeError`` or ``ValueError`` at the first failover, not at start. A URL without a host
+    (libpq's socket) cannot be said in kombu's fields either: the first URL's would stay in
+    ``connection_params`` after kombu fails over, and send the alternate to the socket."""
     from kombu.utils.url import parse_url
 
     if len(urls) < 2:
@@ -262,10 +263,16 @@ def check_alternates(urls: list[Any]) -> None:
         if not isinstance(url, str) or "://" not in url:
             continue
         try:
-            keys = set(parse_url(url))
+            parsed = parse_url(url)
         except ValueError:
-            keys = {"a port per host"}
-        unknown = sorted(keys - _KOMBU_URL_KEYS)
+            parsed = {"a port per host": True}
+        if "hostname" in parsed and not parsed["hostname"]:
+            raise ConfigurationError(
+                f"no host in {mask_password(url)!r}: with several URLs separated by ';', give "
+                "each its host (libpq's socket directory as one: lonnymq://USER@"
+                "%2Fvar%2Frun%2Fpostgresql/DB)"
+            )
+        unknown = sorted(set(parsed) - _KOMBU_URL_KEYS)
         if unknown:
             raise ConfigurationError(
                 f"{', '.join(unknown)} in {mask_password(url)!r}: with several URLs separated "
@@ -284,8 +291,8 @@ def from_client(client: Any, include_password: bool, mask: str) -> str:
     user = quote(str(client.userid), safe="") if client.userid else ""
     if client.password and not callable(client.password):
         user += ":" + (quote(str(client.password), safe="") if include_password else mask)
-    hosts = str(params.pop("host", None) if "host" in params else client.hostname or "localhost")
-    ports = str(params.pop("port", None) if "port" in params else client.port or "").split(",")
+    hosts = str(params.pop("host") if "host" in params else client.hostname or "localhost")
+    ports = str(params.pop("port") if "port" in params else client.port or "").split(",")
     host_list = hosts.split(",") if hosts else []
     if len(ports) == 1:
         ports = ports * max(1, len(host_list))  # libpq: one port for every host
