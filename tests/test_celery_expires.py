@@ -91,14 +91,7 @@ def test_monitoring_sees_a_task_that_expired_while_it_waited(
     event state (Flower's, ``celery events``') turns into ``REVOKED``; it is never received,
     started or run."""
     worker = workers(*pool_args, "-E", extra_env={"LMQ_PREFETCH": prefetch})
-    with captured_events(env) as seen:
-        # the receiver's event queue is bound once it hears the worker's heartbeats (every 2 s)
-        wait_for(
-            lambda: any(e["type"] == "worker-heartbeat" for e in seen()),
-            20,
-            "a worker-heartbeat",
-            worker,
-        )
+    with captured_events(env, worker, heard_within=20) as seen:
         sleeper = env.task("sleeper")
         busy = [sleeper.delay(2, "busy") for _ in range(3)]
         late = env.task("add").apply_async((1, 1), expires=1)

@@ -327,13 +327,7 @@ def test_reject_on_worker_lost_redelivers(
 
 def test_events(env: Env, procs: Callable[..., Worker]) -> None:
     worker = procs("--pool", "threads", "-c", "2", "-E")
-    with captured_events(env) as seen:
-        wait_for(
-            lambda: any(e["type"] == "worker-heartbeat" for e in seen()),
-            15,
-            "a worker-heartbeat",
-            worker,
-        )
+    with captured_events(env, worker, heard_within=15) as seen:
         result = env.task("add").delay(20, 22)
         assert get(result, worker) == 42
         wanted = {"task-received", "task-started", "task-succeeded"}

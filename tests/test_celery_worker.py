@@ -770,9 +770,13 @@ def test_channel_option_through_worker(
 
 
 @contextlib.contextmanager
-def captured_events(env: Env) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+def captured_events(
+    env: Env, worker: Worker, heard_within: float
+) -> Iterator[Callable[[], list[dict[str, Any]]]]:
     """Capture every Celery event (``app.events.Receiver`` on a lonnymq connection, in a
-    thread) while the block runs; yields a function that returns those received so far."""
+    thread) while the block runs; yields a function that returns those received so far, once
+    a ``worker-heartbeat`` of ``worker`` (sent every 2 s) came within ``heard_within`` seconds:
+    the receiver's event queue is bound by then, so no later event is missed."""
     events: list[dict[str, Any]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -797,6 +801,12 @@ def captured_events(env: Env) -> Iterator[Callable[[], list[dict[str, Any]]]]:
         thread = threading.Thread(target=capture, daemon=True)
         thread.start()
         try:
+            wait_for(
+                lambda: any(e["type"] == "worker-heartbeat" for e in seen()),
+                heard_within,
+                "a worker-heartbeat",
+                worker,
+            )
             yield seen
         finally:
             receiver.should_stop = True
