@@ -6,9 +6,11 @@ lonnymq.grant) closed after the test; and the small helpers the test modules sha
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -49,11 +51,36 @@ def pytest_configure(config: pytest.Config) -> None:
 _SERVER: list[str] = []  # the server the session ran on, for the summary
 
 
+@contextlib.contextmanager
+def _own_database(dsn: str) -> Iterator[str]:
+    """Under pytest-xdist (``-n``) with $LONNYMQ_TEST_DSN, each worker process of the run gets
+    a database of its own on that server, made for it and dropped afterwards: the tests count
+    the database's sessions (a connection left behind fails a test) and its LISTEN channels,
+    advisory locks and horizons are per database. A throwaway server is the worker's own."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or not os.environ.get("LONNYMQ_TEST_DSN"):
+        yield dsn
+        return
+    parts = urllib.parse.urlsplit(dsn)
+    assert parts.scheme in ("postgresql", "postgres"), "$LONNYMQ_TEST_DSN must be a URL"
+    base = urllib.parse.unquote(parts.path.lstrip("/")) or parts.username or "postgres"
+    name = f"{base}_{worker}"[:63]
+    drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(drop)  # left by a run that was killed
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield parts._replace(path="/" + urllib.parse.quote(name)).geturl()
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute(drop)
+
+
 @pytest.fixture(scope="session")
 def pg_dsn() -> Iterator[str]:
     """The test database: $LONNYMQ_TEST_DSN, else a throwaway server (see pytest_configure).
     The session stops at once when it is not of $LONNYMQ_TEST_PG_VERSION."""
-    with database("LONNYMQ_TEST_DSN") as dsn:
+    with database("LONNYMQ_TEST_DSN") as shared, _own_database(shared) as dsn:
         with psycopg.connect(dsn) as c:
             number, text = c.info.server_version, c.info.parameter_status("server_version")
         wanted = wanted_version()
