@@ -41,16 +41,22 @@ def drain(
     *,
     limit: int = 10,
     stop: Callable[[], bool] = lambda: False,
+    spans: list[tuple[float, float]] | None = None,
 ) -> list[tuple[float, lonnymq.Message]]:
-    """Dequeue (and ack) as fast as possible for ``seconds``: (monotonic time, message)."""
+    """Dequeue (and ack) as fast as possible for ``seconds``: (monotonic time, message).
+    With ``spans``, each message's (call, return) times are added to it: the server granted
+    it somewhere between the two."""
     got: list[tuple[float, lonnymq.Message]] = []
     held: list[lonnymq.Message] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end and not stop():
+        called = time.monotonic()
         result = broker.dequeue(conn, queues, limit=limit, ack=held, listen=False)
         now = time.monotonic()
         held = list(result.messages)
         got.extend((now, m) for m in held)
+        if spans is not None:
+            spans.extend((called, now) for _ in held)
         if not held:
             time.sleep(0.001)
     if held:
@@ -66,6 +72,16 @@ def max_in_window(times: list[float], window: float) -> int:
         while times[j] < t - window:
             j += 1
         best = max(best, i - j + 1)
+    return best
+
+
+def most_surely_in_window(spans: list[tuple[float, float]], window: float) -> int:
+    """The most deliveries whose whole (call, return) span lies in one ``window`` seconds:
+    each of those was granted in it, however late the caller saw it (a loaded machine delays
+    the return, which shifts a return-time count into the next window)."""
+    best = 0
+    for start, _ in spans:
+        best = max(best, sum(1 for a, b in spans if a >= start and b <= start + window))
     return best
 
 
@@ -172,11 +188,12 @@ def test_concurrent_consumers_never_exceed_the_rate(
     queue.channel("a").policy.set(conn, rate="50/s", burst=10)
     fill(queue, conn, "a", 1000)
     results: list[list[tuple[float, lonnymq.Message]]] = [[] for _ in range(4)]
+    spans: list[list[tuple[float, float]]] = [[] for _ in range(4)]
     conns = [connect() for _ in range(4)]
     start = time.monotonic()
 
     def run(i: int) -> None:
-        results[i] = drain(broker, conns[i], ["q"], 3.0)
+        results[i] = drain(broker, conns[i], ["q"], 3.0, spans=spans[i])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
@@ -186,8 +203,9 @@ def test_concurrent_consumers_never_exceed_the_rate(
     times = [t - start for r in results for t, _ in r]
     ids = [m.id for r in results for _, m in r]
     assert len(ids) == len(set(ids))
-    assert max_in_window(times, 1.0) <= 50 + 10
-    assert max_in_window(times, 0.5) <= 25 + 10
+    every = [span for r in spans for span in r]
+    assert most_surely_in_window(every, 1.0) <= 50 + 10
+    assert most_surely_in_window(every, 0.5) <= 25 + 10
     assert 10 + 50 * 3.0 - 10 <= len(times) <= 10 + 50 * 3.0 + 1
     assert sum(1 for r in results if r) >= 2, "one consumer got everything"
 
@@ -255,7 +273,9 @@ def test_a_rate_change_applies_within_one_interval(broker: lonnymq.Broker, conn:
     got = drain(broker, conn, ["q"], 1.0)
     # within one interval (50 ms), and the time of the call that delivers it
     assert got and got[0][0] - start < 0.05 + 0.025, got[0][0] - start
-    assert 19 <= len(got) <= 22
+    # 20 or 21 (burst 1, then 20/s) when the caller keeps up; at least 15 (of 1/h's 0) when
+    # other tests load the machine (17 and 18 seen with the suite in 4 processes)
+    assert 15 <= len(got) <= 22, len(got)
 
 
 @pytest.mark.slow
