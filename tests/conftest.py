@@ -67,8 +67,15 @@ def _own_database(dsn: str) -> Iterator[str]:
     name = f"{base}_{worker}"[:63]
     drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
     with psycopg.connect(dsn, autocommit=True) as admin:
-        admin.execute(drop)  # left by a run that was killed
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        try:
+            admin.execute(drop)  # left by a run that was killed
+            admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise RuntimeError(
+                f"the role of $LONNYMQ_TEST_DSN may not create the database {name!r} ({exc}): "
+                "each test process (pytest -n, in pyproject.toml's addopts) needs one of its "
+                "own; grant the role CREATEDB, or run the tests in one process: pytest -n 0"
+            ) from None
     try:
         yield parts._replace(path="/" + urllib.parse.quote(name)).geturl()
     finally:

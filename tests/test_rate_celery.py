@@ -139,6 +139,9 @@ def test_three_workers_hold_one_tenant_to_its_rate_and_not_the_other(
     # (the burst comes first: the average is over the 29 s after the first second)
     average = len(steady) / 29.0
     assert 19.0 <= average <= 21.0, average
-    assert together_rate >= 0.85 * alone_rate, (together_rate, alone_rate)
+    # B is not held to A's 20/s: 0.85 of B alone on a quiet machine; the two are measured at
+    # different times, and with the suite in 4 processes the load between them differs
+    # (0.64 seen in CI), so 0.5 (still 20 times A's rate)
+    assert together_rate >= 0.5 * alone_rate, (together_rate, alone_rate)
     assert first_after - changed < 0.1, first_after - changed
     assert 45 <= len(after) / 2.0 <= 55, len(after) / 2.0
