@@ -332,8 +332,10 @@ def test_a_consumer_presumed_gone_that_comes_back_declares_its_queue_again(
         message.ack()
 
     with make_connection() as c, c.Consumer(q, callbacks=[on_message]):
+        # not heard of for an hour, with a beat of 1 ms: presumed gone also on a server
+        # started less than three (real) beats ago, whose start counts as a beat
         conn.execute(
-            sql.SQL("UPDATE {} SET seen_at = seen_at - interval '1 hour'").format(
+            sql.SQL("UPDATE {} SET seen_at = seen_at - interval '1 hour', beat_ms = 1").format(
                 sql.Identifier(schema, "consumer")
             )
         )
