@@ -16,6 +16,7 @@ plan of every statement the PL/pgSQL functions execute reaches the client as a J
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -254,13 +255,16 @@ def _describe(plan: Plan) -> str:
 # by capturing nothing.
 EXPECTED_STATEMENTS = {
     "message_dequeue_v3 (queues)": "array_agg(coalesce(q.max_attempts",
-    "message_dequeue_v3 (expired locks)": "e.locked_until >= u.lf AND e.locked_until <= v_now",
-    "message_dequeue_v3 (relock)": "WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)",
+    "message_dequeue_v3 (the usual call)": "LIMIT p_limit + 1 FOR UPDATE SKIP LOCKED",
+    "dequeue_expired_v1": "e.locked_until >= u.lf AND e.locked_until <= p_now",
+    "dequeue_expired_v1 (relock)": "WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)",
     "message_dequeue_v3 (lanes whose turn it is)": "l.turn_at >= u.tf AND l.turn_at <= v_now",
-    "message_dequeue_v3 (heads of the lanes)": "LIMIT u.quota + 1 FOR UPDATE SKIP LOCKED",
+    "lane_heads_v1": "LIMIT u.quota + 1 FOR UPDATE SKIP LOCKED",
     "message_dequeue_v3 (lock the taken messages)": "WHERE m.id = ANY (v_take)",
     "message_dequeue_v3 (acks)": "m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]",
-    "message_dequeue_v3 (tally)": "FROM unnest(e_q, e_c, e_k)",
+    "message_dequeue_v3 (tally)": "cardinality(array_positions(e_k, 'delivered'))",
+    "tally_events_v1": "FROM unnest(p_q, p_c, p_k)",
+    "lane_advance_v1": "(m.dequeue_at, m.id) >= (p_lane.pos_at[1], p_lane.pos_id[1])",
     "ingest_v1 (what committed since)": "WITH fresh AS MATERIALIZED",
     "ingest_v1 (turn position)": "l.turn_at >= v_new.turn_from[v_i]",
     "ingest_v1 (lock position)": "m.locked_until >= v_new.lock_from[v_i]",
@@ -335,6 +339,17 @@ def run_workload(broker: lonnymq.Broker, conn: Conn, rep: int) -> None:
         got = behind.dequeue(conn, limit=len(lanes), lock_ms=60_000)
         assert [m.content for m in got.messages] == [b"now"] * len(lanes)
         assert broker.delete_many(conn, got.messages) == {m.id: Outcome.OK for m in got.messages}
+    # the usual call (one queue, the lane due without limits, of one priority): its own
+    # statements, and its lane written (lane_advance_v1) since another lane is due too; with
+    # the ingest's state held fresh meanwhile (the statements logged here take longer than
+    # its 10 ms)
+    usual = broker.queue(f"usual-{rep}-{uuid.uuid4().hex[:6]}")
+    for lane in ("a", "a", "b"):
+        usual.channel(lane).message.create(conn, b"x")
+    with _fresh_ingest(broker, conn, usual.name):
+        got = usual.dequeue(conn, limit=1, lock_ms=60_000)
+    assert [m.channel for m in got.messages] == ["a"]
+    assert broker.delete_many(conn, got.messages) == {got.messages[0].id: Outcome.OK}
     # create: in big channels (one saturated), named and delayed ones
     assert isinstance(default.channel("ch-12").message.create(conn, b"x"), lonnymq.Created)
     assert isinstance(default.channel("ch-52").message.create(conn, b"x"), lonnymq.Created)
@@ -365,6 +380,29 @@ def run_workload(broker: lonnymq.Broker, conn: Conn, rep: int) -> None:
         ).format(s=sql.Identifier(broker.schema))
     ).fetchone()
     assert retry is not None and retry[0] is not None
+
+
+@contextlib.contextmanager
+def _fresh_ingest(broker: lonnymq.Broker, conn: Conn, queue: str) -> Iterator[None]:
+    """An ingest of ``queue`` now, which then counts as just taken (so that a dequeue does
+    not ingest first), and afterwards as old (so that the next one does)."""
+    stmt = sql.SQL(
+        "UPDATE {}.discovery d SET taken_at = clock_timestamp() + %s::interval "
+        "WHERE d.id = (SELECT max(x.id) FROM {}.discovery x)"
+    ).format(sql.Identifier(broker.schema), sql.Identifier(broker.schema))
+    conn.execute(
+        sql.SQL("SELECT {}.ingest_v1(ARRAY[%s], true, true)").format(
+            sql.Identifier(broker.schema)
+        ),
+        (queue,),
+    )
+    conn.execute(stmt, ("1 hour",))
+    # (and this session's creates are taken in: see wake_v1)
+    conn.execute("SELECT set_config('lonnymq.fresh', '', false)")
+    try:
+        yield
+    finally:
+        conn.execute(stmt, ("-1 hour",))
 
 
 def _drain_expired(broker: lonnymq.Broker, conn: Conn) -> None:

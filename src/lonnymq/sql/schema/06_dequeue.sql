@@ -44,6 +44,274 @@ BEGIN
 END;
 $$;
 
+-- The dequeue's steps that are functions of their own (message_dequeue_v3 below reads as the
+-- list of its steps; each of these is one of them, or a part of one).
+
+-- Step 0: a caller that slept (it found nothing last time, with p_listen) is awake again:
+-- the 'sleep' keys its session still holds (p_keys: lonnymq.sleeping) are released.
+CREATE FUNCTION {schema}.dequeue_wake_v1(p_keys text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_unlock_shared(k.key)
+    FROM unnest(string_to_array(p_keys, ',')::bigint[]) AS k(key)
+    WHERE EXISTS (
+        SELECT 1 FROM pg_catalog.pg_locks l
+        WHERE l.pid = pg_backend_pid() AND l.locktype = 'advisory' AND l.objsubid = 1
+          AND l.mode = 'ShareLock' AND l.granted
+          AND l.classid::bigint = (k.key >> 32) & 4294967295
+          AND l.objid::bigint = k.key & 4294967295);
+    PERFORM set_config('lonnymq.sleeping', '', false);
+END;
+$$;
+
+-- Step 2, the usual call: its lane, owned, moved to the back and its position past what the
+-- call took (a lane without limits and of one priority; p_served: when it was served). One
+-- statement: the next message (not locked, ingested in the latest snapshot of the ingest:
+-- read after the lane's key was taken, as in step 5), and the version replaced by compare
+-- and swap, as lane_put_v1 does: only over the live version, and not one that a queue-wide
+-- change has locked.
+CREATE FUNCTION {schema}.lane_advance_v1(p_lane {schema}.lane, p_served timestamptz)
+RETURNS void
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+BEGIN
+    WITH next AS MATERIALIZED (
+        SELECT m.dequeue_at, m.id FROM {schema}.message m
+        WHERE m.queue = p_lane.queue AND m.channel = p_lane.channel
+          AND m.locked_until IS NULL AND m.priority = p_lane.prios[1]
+          AND (m.dequeue_at, m.id) >= (p_lane.pos_at[1], p_lane.pos_id[1])
+          AND pg_visible_in_snapshot(m.txid, (
+              SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1))
+        ORDER BY m.priority DESC, m.dequeue_at, m.id
+        LIMIT 1),
+    gone AS (
+        DELETE FROM {schema}.lane o
+        WHERE o.queue = p_lane.queue AND o.channel = p_lane.channel AND o.id = p_lane.id
+          AND o.id = (SELECT y.id FROM {schema}.lane y
+                      WHERE y.queue = p_lane.queue AND y.channel = p_lane.channel
+                        AND y.id = p_lane.id
+                      FOR UPDATE SKIP LOCKED)
+        RETURNING o.id)
+    INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at,
+                               pos_id, not_before)
+    SELECT p_lane.queue, p_lane.channel,
+           -- (its next message: due now, or later; none: no turn)
+           CASE WHEN n.id IS NOT NULL THEN GREATEST(n.dequeue_at, p_served, p_lane.turn_at) END,
+           p_served, false,
+           CASE WHEN n.id IS NULL THEN '{{}}' ELSE p_lane.prios END,
+           CASE WHEN n.id IS NULL THEN '{{}}' ELSE ARRAY[n.dequeue_at] END,
+           CASE WHEN n.id IS NULL THEN '{{}}' ELSE ARRAY[n.id] END,
+           NULL
+    FROM gone o LEFT JOIN next n ON true;
+END;
+$$;
+
+-- Step 3: messages of p_queues whose lock expired (from each queue's lock position
+-- p_lock_from), at most p_limit: they still count against their channel's concurrency and
+-- are taken over (event 'redelivered') without touching any lane; one delivered
+-- max_attempts times already (p_max_attempts, per queue), its holder dying each time, is a
+-- poison message: dead-lettered instead (event 'dead'). Tallied here.
+CREATE FUNCTION {schema}.dequeue_expired_v1(
+    p_queues text[], p_lock_from timestamptz[], p_max_attempts integer[], p_limit integer,
+    p_now timestamptz, p_lock interval
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    message_priority smallint, message_attempts integer, message_lock_token uuid,
+    message_created_at timestamptz, message_content bytea, message_state bytea, event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_relock bigint[];
+    v_poison bigint[];
+BEGIN
+    v_relock := ARRAY(
+        SELECT x.id FROM unnest(p_queues, p_lock_from) AS u(q, lf)
+        CROSS JOIN LATERAL (
+            SELECT e.id, e.locked_until FROM {schema}.message e
+            WHERE e.queue = u.q AND e.locked_until >= u.lf AND e.locked_until <= p_now
+            ORDER BY e.locked_until LIMIT p_limit
+            FOR UPDATE SKIP LOCKED
+        ) AS x
+        ORDER BY x.locked_until LIMIT p_limit);
+    v_poison := ARRAY(
+        SELECT m.id FROM {schema}.message m
+        WHERE m.id = ANY (v_relock)
+          AND m.attempts >= p_max_attempts[array_position(p_queues, m.queue)]
+        ORDER BY m.id);
+    IF cardinality(v_poison) > 0 THEN
+        RETURN QUERY
+            WITH b AS MATERIALIZED (
+                SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts')
+            ), tallied AS (
+                INSERT INTO {schema}.tally (queue, channel, dead, dead_held)
+                SELECT b.queue_name, b.channel_name, count(*), count(*)
+                FROM b GROUP BY b.queue_name, b.channel_name
+            )
+            SELECT b.message_id, b.queue_name, b.channel_name, b.message_name, NULL::smallint,
+                   b.message_attempts, NULL::uuid, b.message_created_at, NULL::bytea,
+                   NULL::bytea, 'dead'::text
+            FROM b;
+    END IF;
+    RETURN QUERY
+        WITH taken AS (
+            UPDATE {schema}.message m SET
+                locked_until = p_now + p_lock,
+                lock_token = gen_random_uuid(),
+                attempts = m.attempts + 1
+            WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)
+            RETURNING m.*
+        ), tallied AS (
+            INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, lock_until,
+                                        lock_id)
+            SELECT t.queue, t.channel, count(*), count(*), min(t.locked_until), min(t.id)
+            FROM taken t GROUP BY t.queue, t.channel
+        )
+        SELECT t.id, t.queue::text, t.channel::text, t.name, t.priority, t.attempts,
+               t.lock_token, t.created_at, t.content, t.state, 'redelivered'::text
+        FROM taken t ORDER BY t.locked_until, t.id;
+END;
+$$;
+
+-- Step 4, a pass over several lanes: each lane's heads (p_lanes: positions in p_cands, with
+-- their quota) from its positions: due (p_now), ingested (p_snap), not held by anyone, one
+-- more than its quota (has it more?); in rank order within the lane (priority, then due
+-- time, then id).
+CREATE FUNCTION {schema}.lane_heads_v1(
+    p_cands {schema}.lane[], p_lanes integer[], p_quota integer[], p_snap pg_snapshot,
+    p_now timestamptz, OUT ids bigint[], OUT lanes integer[], OUT ranks integer[]
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+BEGIN
+    SELECT array_agg(h.id ORDER BY h.rn, h.i), array_agg(h.i ORDER BY h.rn, h.i),
+           array_agg(h.rn ORDER BY h.rn, h.i)
+    INTO ids, lanes, ranks
+    FROM unnest(p_lanes, p_quota) AS u(i, quota)
+    CROSS JOIN LATERAL (
+        SELECT u.i, z.id,
+               (row_number() OVER (ORDER BY z.priority DESC, z.dequeue_at, z.id))::integer AS rn
+        FROM (
+            SELECT m.id, m.priority, m.dequeue_at
+            FROM unnest((p_cands[u.i]).prios, (p_cands[u.i]).pos_at,
+                        (p_cands[u.i]).pos_id) AS p(prio, at, pid)
+            CROSS JOIN LATERAL (
+                SELECT m.id, m.priority, m.dequeue_at FROM {schema}.message m
+                WHERE m.queue = (p_cands[u.i]).queue AND m.channel = (p_cands[u.i]).channel
+                  AND m.locked_until IS NULL AND m.priority = p.prio
+                  AND (m.dequeue_at, m.id) >= (p.at, p.pid) AND m.dequeue_at <= p_now
+                  AND pg_visible_in_snapshot(m.txid, p_snap)
+                ORDER BY m.priority DESC, m.dequeue_at, m.id
+                LIMIT u.quota + 1
+                FOR UPDATE SKIP LOCKED
+            ) AS m
+            ORDER BY m.priority DESC, m.dequeue_at, m.id
+            LIMIT u.quota + 1
+        ) AS z
+    ) AS h;
+END;
+$$;
+
+-- Step 5, for one lane the call owned: its channel's counts when it has limits (p_taken
+-- more in flight, the rate's tat), then the lane rewritten with the latest snapshot of the
+-- ingest (p_snap): positions at the first message not taken, the turn to the back (p_more:
+-- it has more due), at its next due message, at its next token (a rated lane that spent
+-- them), or none (nothing left, or at its max_concurrency). p_lone: the only lane of the
+-- call, and the only one due; then one without limits that has more, written a moment ago,
+-- is not written (its positions lag by what was taken since; the next write catches up).
+CREATE FUNCTION {schema}.lane_served_v1(
+    p_lane {schema}.lane, p_snap pg_snapshot, p_now timestamptz, p_served timestamptz,
+    p_taken integer, p_more boolean, p_lone boolean, p_max integer, p_room integer,
+    p_rate interval, p_tat timestamptz, p_tokens integer, p_burst integer
+)
+RETURNS void
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_lane {schema}.lane := p_lane;
+    v_wait timestamptz;
+    v_next record;
+BEGIN
+    IF (p_max IS NOT NULL OR p_rate IS NOT NULL) AND p_taken > 0 THEN
+        UPDATE {schema}.channel c SET
+            current_concurrency = c.current_concurrency
+                + CASE WHEN p_max IS NOT NULL THEN p_taken ELSE 0 END,
+            rate_tat = CASE WHEN p_rate IS NOT NULL THEN p_tat + p_taken * p_rate
+                            ELSE c.rate_tat END,
+            rate_interval = coalesce(p_rate, c.rate_interval)
+        WHERE c.queue = p_lane.queue AND c.name = p_lane.channel;
+    END IF;
+    -- a rated lane that spent its tokens: its turn not before the next one
+    v_wait := CASE WHEN p_rate IS NOT NULL AND p_tokens - p_taken <= 0
+        THEN p_tat + (p_taken - p_burst + 1) * p_rate END;
+    IF p_lone AND p_more AND NOT p_lane.limited AND p_lane.served_at > '-infinity'
+       AND p_lane.written_at > p_now - interval '5 milliseconds' THEN
+        RETURN;
+    END IF;
+    -- (what this call took is locked now; what another running dequeue holds still counts)
+    SELECT * INTO v_next FROM {schema}.lane_next_v1(p_lane, p_snap);
+    v_lane.prios := v_next.prios;
+    v_lane.pos_at := v_next.pos_at;
+    v_lane.pos_id := v_next.pos_id;
+    v_lane.limited := p_max IS NOT NULL OR p_rate IS NOT NULL;
+    v_lane.not_before := v_wait;
+    IF p_taken > 0 THEN
+        v_lane.served_at := p_served;
+    END IF;
+    IF p_max IS NOT NULL AND p_room - p_taken <= 0 THEN
+        v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
+    ELSIF p_more THEN
+        v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at, v_wait);
+    ELSE
+        v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
+            THEN GREATEST(v_next.next_at, v_lane.served_at, p_lane.turn_at, v_wait) END;
+    END IF;
+    -- (a version superseded meanwhile by its previous owner is left as it is)
+    IF EXISTS (SELECT 1 FROM {schema}.lane l
+               WHERE l.queue = p_lane.queue AND l.channel = p_lane.channel
+                 AND l.id = p_lane.id) THEN
+        PERFORM {schema}.lane_put_v1(p_lane.id, v_lane);
+    END IF;
+END;
+$$;
+
+-- Step 6: a listening caller that found nothing registers as sleeping on p_queues (their
+-- shared 'sleep' keys, named in lonnymq.sleeping for step 0 of its next call), then checks
+-- for producers still in their transactions (they may have looked for sleepers before):
+-- true when there is one (the caller looks once more, and retries soon).
+CREATE FUNCTION {schema}.dequeue_sleep_v1(p_queues text[]) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_keys text;
+BEGIN
+    v_keys := (SELECT string_agg({schema}.queue_key_v1('sleep', u.q)::text, ',')
+               FROM (SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q)) AS u);
+    PERFORM pg_advisory_lock_shared(k.key)
+    FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key);
+    PERFORM set_config('lonnymq.sleeping', v_keys, false);
+    RETURN EXISTS (SELECT 1 FROM unnest(p_queues) AS u(q) WHERE NOT {schema}.queue_idle_v1(u.q));
+END;
+$$;
+
+-- The tally of a dequeue whose events (p_q, p_c, p_k: queue, channel, kind) are of several
+-- channels: one row per channel (the dequeue writes the one of a single channel itself).
+CREATE FUNCTION {schema}.tally_events_v1(
+    p_q text[], p_c text[], p_k text[], p_lock_until timestamptz, p_lock_id bigint
+)
+RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                dead_held, lock_until, lock_id)
+    SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
+           count(*) FILTER (WHERE u.k = 'redelivered'), count(*) FILTER (WHERE u.k = 'acked'),
+           count(*) FILTER (WHERE u.k = 'expired'), count(*) FILTER (WHERE u.k = 'dead'),
+           count(*) FILTER (WHERE u.k = 'dead_held'),
+           CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN p_lock_until END,
+           CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN p_lock_id END
+    FROM unnest(p_q, p_c, p_k) AS u(q, c, k)
+    GROUP BY u.q, u.c;
+$$;
+
 -- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms; with
 -- p_ack_ids/p_ack_tokens, delete those held messages first (a consumer's acks travel with
 -- its next dequeue: rows 'ack_state_invalid' / 'ack_not_found' for those that did not
@@ -116,7 +384,6 @@ DECLARE
     v_qtf timestamptz[];
     v_qlf timestamptz[];
     v_expired boolean;
-    v_relock bigint[];
     v_poison bigint[];
     -- lanes, and per lane: owned, cap, max_concurrency, taken, more due, done
     v_cands {schema}.lane[];
@@ -129,7 +396,6 @@ DECLARE
     v_burst integer[];
     v_tat timestamptz[];
     v_tok integer[];
-    v_wait timestamptz;
     v_taken integer[];
     v_more boolean[];
     v_done boolean[];
@@ -147,28 +413,88 @@ DECLARE
     v_locked bigint[];
     v_served timestamptz;
     v_lane {schema}.lane;
-    v_next record;
     v_retry bigint;
     v_snap pg_snapshot;
     v_dead integer := 0;
+    -- the usual call (step 2): taken without steps 3 to 6
+    v_fast boolean := false;
+    v_usual boolean;
     i integer;
 BEGIN
     -- 0. a caller that slept (it found nothing last time) is awake again
     v_keys := current_setting('lonnymq.sleeping', true);
     IF v_keys IS NOT NULL AND v_keys <> '' THEN
-        PERFORM pg_advisory_unlock_shared(k.key)
-        FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key)
-        WHERE EXISTS (
-            SELECT 1 FROM pg_catalog.pg_locks l
-            WHERE l.pid = pg_backend_pid() AND l.locktype = 'advisory' AND l.objsubid = 1
-              AND l.mode = 'ShareLock' AND l.granted
-              AND l.classid::bigint = (k.key >> 32) & 4294967295
-              AND l.objid::bigint = k.key & 4294967295);
-        PERFORM set_config('lonnymq.sleeping', '', false);
+        PERFORM {schema}.dequeue_wake_v1(v_keys);
     END IF;
 
-    -- 1. acks
-    IF coalesce(cardinality(p_ack_ids), 0) > 0 THEN
+    -- 1. acks; for the usual call (2), in the same statement as its read: the ingest's state,
+    --    the lanes whose turn it is and the first one's heads
+    v_usual := cardinality(p_queues) = 1 AND p_limit > 0
+        AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
+    IF v_usual THEN
+        v_now := clock_timestamp();
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id = ANY (p_ack_ids)
+              AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+            RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+        )
+        SELECT a.ids, a.queues, a.channels, a.sized, a.slotted, s.lanes, s.heads
+        INTO v_gone, v_gq, v_gc, v_gs, v_gl, v_cands, h_id
+        FROM (SELECT array_agg(g.id) AS ids, array_agg(g.queue) AS queues,
+                     array_agg(g.channel) AS channels, array_agg(g.sized) AS sized,
+                     array_agg(g.slotted) AS slotted
+              FROM gone g) AS a
+        LEFT JOIN LATERAL (
+            SELECT x.lanes, h.heads
+            FROM (SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1) AS d
+            JOIN {schema}.queue q ON q.name = p_queues[1]
+            -- the lanes whose turn it is, oldest turn first (two: is it the only one?)
+            CROSS JOIN LATERAL (
+                SELECT ARRAY(
+                    SELECT l FROM {schema}.lane l
+                    WHERE l.queue = p_queues[1]
+                      AND l.turn_at >= coalesce(
+                          d.turn_from[array_position(d.queues, p_queues[1])], '-infinity')
+                      AND l.turn_at <= v_now + interval '1 millisecond'
+                    ORDER BY l.turn_at, l.id LIMIT 2) AS lanes
+                OFFSET 0) AS x  -- (read once, not at each use of its column)
+            -- the first one's heads from its position when the call is the usual one (the
+            -- ingest's state is fresh, no lock is past its expiry, the lane has no limit and
+            -- one priority, and is the only one due or one message is asked for): due,
+            -- ingested, not held by anyone, one more than asked for (has it more?); those
+            -- past their time to live or their max_attempts negated (steps 3 and 4 handle
+            -- them)
+            CROSS JOIN LATERAL (
+                SELECT ARRAY(
+                    SELECT CASE WHEN m.expires_at <= v_now
+                                     OR m.attempts >= coalesce(q.max_attempts, 2147483647)
+                                THEN -m.id ELSE m.id END
+                    FROM {schema}.message m
+                    WHERE d.taken_at >= v_now - interval '10 milliseconds'
+                      AND d.folded_at >= v_now - interval '1 second'
+                      AND p_queues[1] = ANY (d.queues)
+                      AND NOT (cardinality(d.pend_queue) > 0
+                               AND d.taken_at < v_now - interval '5 milliseconds')
+                      AND NOT (x.lanes[1]).limited AND cardinality((x.lanes[1]).prios) = 1
+                      AND (p_limit = 1 OR cardinality(x.lanes) = 1)
+                      AND NOT EXISTS (
+                          SELECT 1 FROM {schema}.message e
+                          WHERE e.queue = p_queues[1]
+                            AND e.locked_until >= coalesce(
+                                d.lock_from[array_position(d.queues, p_queues[1])], '-infinity')
+                            AND e.locked_until <= v_now)
+                      AND m.queue = p_queues[1] AND m.channel = (x.lanes[1]).channel
+                      AND m.locked_until IS NULL AND m.priority = ((x.lanes[1]).prios)[1]
+                      AND (m.dequeue_at, m.id) >= (((x.lanes[1]).pos_at)[1],
+                                                   ((x.lanes[1]).pos_id)[1])
+                      AND m.dequeue_at <= v_now
+                      AND pg_visible_in_snapshot(m.txid, d.snap)
+                    ORDER BY m.priority DESC, m.dequeue_at, m.id
+                    LIMIT p_limit + 1
+                    FOR UPDATE SKIP LOCKED) AS heads) AS h
+        ) AS s ON true;
+    ELSIF coalesce(cardinality(p_ack_ids), 0) > 0 THEN
         WITH gone AS (
             DELETE FROM {schema}.message m
             WHERE m.id = ANY (p_ack_ids)
@@ -178,34 +504,68 @@ BEGIN
         SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
                array_agg(g.slotted)
         INTO v_gone, v_gq, v_gc, v_gs, v_gl FROM gone g;
-        IF v_gone IS NOT NULL THEN
-            e_q := v_gq;
-            e_c := v_gc;
-            e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
-            IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
-                FOR r IN
-                    SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
-                           count(*) FILTER (WHERE u.l)::integer AS l
-                    FROM unnest(v_gq, v_gc, v_gs, v_gl) AS u(q, c, s, l)
-                    WHERE u.s OR u.l GROUP BY u.q, u.c ORDER BY u.q, u.c
-                LOOP
-                    PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
-                END LOOP;
-            END IF;
+    END IF;
+    IF v_gone IS NOT NULL THEN
+        e_q := v_gq;
+        e_c := v_gc;
+        e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
+        IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
+            PERFORM {schema}.ack_give_back_v1(v_gq, v_gc, v_gs, v_gl);
         END IF;
-        IF coalesce(cardinality(v_gone), 0) < cardinality(p_ack_ids) THEN
-            RETURN QUERY
-                SELECT h.id, NULL::text, NULL::text, NULL::text, NULL::smallint, NULL::integer,
-                       NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, NULL::bigint,
-                       CASE WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
-                            THEN 'ack_state_invalid' ELSE 'ack_not_found' END
-                FROM unnest(p_ack_ids) AS h(id)
-                WHERE h.id <> ALL (coalesce(v_gone, ARRAY[]::bigint[]));
+    END IF;
+    -- (those that did not apply: a row each)
+    IF coalesce(cardinality(v_gone), 0) < coalesce(cardinality(p_ack_ids), 0) THEN
+        RETURN QUERY
+            SELECT o.message_id, NULL::text, NULL::text, NULL::text, NULL::smallint,
+                   NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+                   NULL::bigint, 'ack_' || o.result_code
+            FROM {schema}.ack_outcome_v1(p_ack_ids, v_gone) AS o WHERE o.result_code <> 'ok';
+    END IF;
+
+    -- 2. the usual call: what its read found is locked and returned (no other statement
+    --    reads, unless the lane is to be written: as in step 5). Otherwise steps 2 to 6 run
+    --    (v_fast stays false); the heads its read locked, if any, are this transaction's own.
+    v_take := h_id[1:p_limit];
+    IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
+        v_fast := true;
+        v_lane := v_cands[1];
+        RETURN QUERY
+            WITH locked AS (
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1,
+                    slotted = false
+                WHERE m.id = ANY (v_take)
+                RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                          m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+            )
+            SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
+                   k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
+                   'delivered'::text
+            FROM locked k ORDER BY k.dequeue_at, k.id;
+        v_got := cardinality(v_take);
+        v_lock_until := v_now + v_lock;
+        v_lock_id := v_take[1];
+        e_q := e_q || array_fill(v_lane.queue::text, ARRAY[v_got]);
+        e_c := e_c || array_fill(v_lane.channel::text, ARRAY[v_got]);
+        e_k := e_k || array_fill('delivered'::text, ARRAY[v_got]);
+        -- the lane, owned with its key: moved to the back, its position past what was
+        -- taken, as in step 5 (unless it is the only one due, has more, and was written a
+        -- moment ago), read with the latest snapshot of the ingest
+        IF pg_try_advisory_xact_lock({schema}.lane_key_v1(v_lane.queue, v_lane.channel))
+           AND NOT (cardinality(v_cands) = 1 AND cardinality(h_id) > p_limit
+                    AND v_lane.served_at > '-infinity'
+                    AND v_lane.written_at > v_now - interval '5 milliseconds') THEN
+            PERFORM {schema}.lane_advance_v1(v_lane, clock_timestamp() + interval '1 microsecond');
         END IF;
     END IF;
 
-    SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    IF NOT v_fast THEN
+        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    END IF;
     LOOP
+        EXIT WHEN v_fast;
         -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
         --    points from which lanes are read past the versions consumers superseded
         --    meanwhile: dead rows that a snapshot held elsewhere keeps from being vacuumed),
@@ -269,54 +629,19 @@ BEGIN
         END IF;
         v_left := p_limit - v_got;
 
-        -- 3. messages whose lock expired: they still count against their channel's
-        --    concurrency and are taken over without touching any lane
+        -- 3. messages whose lock expired: taken over first (or dead-lettered)
         IF v_expired AND v_left > 0 THEN
-            v_relock := ARRAY(
-                SELECT x.id FROM unnest(v_qn, v_qlf) AS u(q, lf)
-                CROSS JOIN LATERAL (
-                    SELECT e.id, e.locked_until FROM {schema}.message e
-                    WHERE e.queue = u.q AND e.locked_until >= u.lf AND e.locked_until <= v_now
-                    ORDER BY e.locked_until LIMIT v_left
-                    FOR UPDATE SKIP LOCKED
-                ) AS x
-                ORDER BY x.locked_until LIMIT v_left);
-            -- delivered max_attempts times already, its holder dying each time: a poison
-            -- message, dead-lettered instead
-            v_poison := ARRAY(
-                SELECT m.id FROM {schema}.message m
-                WHERE m.id = ANY (v_relock) AND m.attempts >= v_qmax[array_position(v_qn, m.queue)]
-                ORDER BY m.id);
-            IF cardinality(v_poison) > 0 THEN
-                FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+            FOR r IN SELECT * FROM {schema}.dequeue_expired_v1(v_qn, v_qlf, v_qmax, v_left, v_now,
+                                                               v_lock) AS x LOOP
+                IF r.event = 'dead' THEN
                     v_dead := v_dead + 1;
-                    e_q := e_q || r.queue_name || r.queue_name;
-                    e_c := e_c || r.channel_name || r.channel_name;
-                    e_k := e_k || 'dead'::text || 'dead_held'::text;
-                    RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
-                        NULL::smallint, r.message_attempts, NULL::uuid, r.message_created_at,
-                        NULL::bytea, NULL::bytea, NULL::bigint, 'dead'::text;
-                END LOOP;
-            END IF;
-            FOR r IN
-                UPDATE {schema}.message m SET
-                    locked_until = v_now + v_lock,
-                    lock_token = gen_random_uuid(),
-                    attempts = m.attempts + 1
-                WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)
-                RETURNING m.*
-            LOOP
-                e_q := e_q || r.queue || r.queue;
-                e_c := e_c || r.channel || r.channel;
-                e_k := e_k || 'delivered'::text || 'redelivered'::text;
-                v_got := v_got + 1;
-                IF v_lock_until IS NULL OR r.locked_until < v_lock_until THEN
-                    v_lock_until := r.locked_until;
-                    v_lock_id := r.id;
+                ELSE
+                    v_got := v_got + 1;
                 END IF;
-                RETURN QUERY SELECT r.id, r.queue::text, r.channel::text, r.name, r.priority,
-                    r.attempts, r.lock_token, r.created_at, r.content, r.state, NULL::bigint,
-                    'redelivered'::text;
+                RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
+                    r.message_priority, r.message_attempts, r.message_lock_token,
+                    r.message_created_at, r.message_content, r.message_state, NULL::bigint,
+                    r.event;
             END LOOP;
             v_left := p_limit - v_got;
         END IF;
@@ -440,32 +765,8 @@ BEGIN
                     h_lane := array_fill(v_k, ARRAY[cardinality(h_id)]);
                     h_rn := ARRAY(SELECT generate_series(1, cardinality(h_id)));
                 ELSE
-                SELECT array_agg(h.id ORDER BY h.rn, h.i), array_agg(h.i ORDER BY h.rn, h.i),
-                       array_agg(h.rn ORDER BY h.rn, h.i)
-                INTO h_id, h_lane, h_rn
-                FROM unnest(v_lanes, v_quota) AS u(i, quota)
-                CROSS JOIN LATERAL (
-                    SELECT u.i, z.id, z.priority, z.dequeue_at,
-                           (row_number() OVER (ORDER BY z.priority DESC, z.dequeue_at, z.id))::integer AS rn
-                    FROM (
-                        SELECT m.id, m.priority, m.dequeue_at
-                        FROM unnest((v_cands[u.i]).prios, (v_cands[u.i]).pos_at,
-                                    (v_cands[u.i]).pos_id) AS p(prio, at, pid)
-                        CROSS JOIN LATERAL (
-                            SELECT m.id, m.priority, m.dequeue_at FROM {schema}.message m
-                            WHERE m.queue = (v_cands[u.i]).queue
-                              AND m.channel = (v_cands[u.i]).channel
-                              AND m.locked_until IS NULL AND m.priority = p.prio
-                              AND (m.dequeue_at, m.id) >= (p.at, p.pid) AND m.dequeue_at <= v_now
-                              AND pg_visible_in_snapshot(m.txid, v_d.snap)
-                            ORDER BY m.priority DESC, m.dequeue_at, m.id
-                            LIMIT u.quota + 1
-                            FOR UPDATE SKIP LOCKED
-                        ) AS m
-                        ORDER BY m.priority DESC, m.dequeue_at, m.id
-                        LIMIT u.quota + 1
-                    ) AS z
-                ) AS h;
+                SELECT x.ids, x.lanes, x.ranks INTO h_id, h_lane, h_rn
+                FROM {schema}.lane_heads_v1(v_cands, v_lanes, v_quota, v_d.snap, v_now) AS x;
                 END IF;
                 FOR i IN 1 .. v_open LOOP
                     v_k := v_lanes[i];
@@ -622,50 +923,10 @@ BEGIN
             SELECT d.snap INTO v_snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
             FOR i IN 1 .. v_n LOOP
                 CONTINUE WHEN NOT v_own[i];
-                v_lane := v_cands[i];
-                IF (v_max[i] IS NOT NULL OR v_rt[i] IS NOT NULL) AND v_taken[i] > 0 THEN
-                    UPDATE {schema}.channel c SET
-                        current_concurrency = c.current_concurrency
-                            + CASE WHEN v_max[i] IS NOT NULL THEN v_taken[i] ELSE 0 END,
-                        rate_tat = CASE WHEN v_rt[i] IS NOT NULL
-                                        THEN v_tat[i] + v_taken[i] * v_rt[i] ELSE c.rate_tat END,
-                        rate_interval = coalesce(v_rt[i], c.rate_interval)
-                    WHERE c.queue = v_lane.queue AND c.name = v_lane.channel;
-                END IF;
-                -- a rated lane that spent its tokens: its turn not before the next one
-                v_wait := CASE WHEN v_rt[i] IS NOT NULL AND v_tok[i] - v_taken[i] <= 0
-                    THEN v_tat[i] + (v_taken[i] - v_burst[i] + 1) * v_rt[i] END;
-                -- a lone lane with more to give, written a moment ago: not written now (its
-                -- positions lag by what was taken since; the next write catches up)
-                CONTINUE WHEN v_n = 1 AND cardinality(v_cands) = 1 AND v_more[i]
-                    AND NOT v_lane.limited AND v_lane.served_at > '-infinity'
-                    AND v_lane.written_at > v_now - interval '5 milliseconds';
-                -- positions at the first message not taken (what this call took is locked
-                -- now; what another running dequeue holds still counts)
-                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
-                v_lane.prios := v_next.prios;
-                v_lane.pos_at := v_next.pos_at;
-                v_lane.pos_id := v_next.pos_id;
-                v_lane.limited := v_max[i] IS NOT NULL OR v_rt[i] IS NOT NULL;
-                v_lane.not_before := v_wait;
-                IF v_taken[i] > 0 THEN
-                    v_lane.served_at := v_served + i * interval '1 microsecond';
-                END IF;
-                IF v_max[i] IS NOT NULL AND v_room[i] - v_taken[i] <= 0 THEN
-                    v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
-                ELSIF v_more[i] THEN
-                    v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at, v_wait);
-                ELSE
-                    v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
-                        THEN GREATEST(v_next.next_at, v_lane.served_at, (v_cands[i]).turn_at,
-                                      v_wait) END;
-                END IF;
-                -- (a version superseded meanwhile by its previous owner is left as it is)
-                IF EXISTS (SELECT 1 FROM {schema}.lane l
-                           WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
-                             AND l.id = (v_cands[i]).id) THEN
-                    PERFORM {schema}.lane_put_v1((v_cands[i]).id, v_lane);
-                END IF;
+                PERFORM {schema}.lane_served_v1(v_cands[i], v_snap, v_now,
+                    v_served + i * interval '1 microsecond', v_taken[i], v_more[i],
+                    v_n = 1 AND cardinality(v_cands) = 1, v_max[i], v_room[i], v_rt[i], v_tat[i],
+                    v_tok[i], v_burst[i]);
             END LOOP;
         END IF;
         EXIT WHEN v_got > 0;
@@ -675,13 +936,7 @@ BEGIN
         --    once more: a producer that commits after that sees it sleeping and notifies.
         IF p_listen AND NOT v_slept THEN
             v_slept := true;
-            v_keys := (SELECT string_agg({schema}.queue_key_v1('sleep', u.q)::text, ',')
-                       FROM (SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q)) AS u);
-            PERFORM pg_advisory_lock_shared(k.key)
-            FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key);
-            PERFORM set_config('lonnymq.sleeping', v_keys, false);
-            v_busy := EXISTS (SELECT 1 FROM unnest(p_queues) AS u(q)
-                              WHERE NOT {schema}.queue_idle_v1(u.q));
+            v_busy := {schema}.dequeue_sleep_v1(p_queues);
             v_ingested := false;
             v_now := clock_timestamp();
             CONTINUE;
@@ -710,16 +965,7 @@ BEGIN
                 CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_until END,
                 CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_id END);
     ELSIF cardinality(e_q) > 0 THEN
-        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
-                                    dead_held, lock_until, lock_id)
-        SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
-               count(*) FILTER (WHERE u.k = 'redelivered'), count(*) FILTER (WHERE u.k = 'acked'),
-               count(*) FILTER (WHERE u.k = 'expired'), count(*) FILTER (WHERE u.k = 'dead'),
-               count(*) FILTER (WHERE u.k = 'dead_held'),
-               CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN v_lock_until END,
-               CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN v_lock_id END
-        FROM unnest(e_q, e_c, e_k) AS u(q, c, k)
-        GROUP BY u.q, u.c;
+        PERFORM {schema}.tally_events_v1(e_q, e_c, e_k, v_lock_until, v_lock_id);
     END IF;
 
     IF v_got = 0 THEN

@@ -6,6 +6,42 @@
 -- 7. Acks and finalize: delete (ack), defer, heartbeat, bury (dead-letter), reject
 -- ---------------------------------------------------------------------------------------------
 
+-- The ack block of message_delete_many_v1 and of the dequeue (its acks): what the acked
+-- messages (p_queues, p_channels: of each; p_sized, p_slotted: counted in their channel's
+-- current_size / current_concurrency) held on limited channels is given back, channel by
+-- channel in (queue, channel) order (the order every writer of channel rows keeps).
+CREATE FUNCTION {schema}.ack_give_back_v1(
+    p_queues text[], p_channels text[], p_sized boolean[], p_slotted boolean[]
+)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
+               count(*) FILTER (WHERE u.l)::integer AS l
+        FROM unnest(p_queues, p_channels, p_sized, p_slotted) AS u(q, c, s, l)
+        WHERE u.s OR u.l GROUP BY u.q, u.c ORDER BY u.q, u.c
+    LOOP
+        PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
+    END LOOP;
+END;
+$$;
+
+-- The outcome of each ack of p_ids, p_gone being those deleted: 'ok', 'state_invalid' (held
+-- under another lock token, or not held) or 'not_found'.
+CREATE FUNCTION {schema}.ack_outcome_v1(p_ids bigint[], p_gone bigint[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE sql STABLE AS $$
+    SELECT h.id,
+        CASE WHEN h.id = ANY (coalesce(p_gone, ARRAY[]::bigint[])) THEN 'ok'
+             WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                 THEN 'state_invalid'
+             ELSE 'not_found' END
+    FROM unnest(p_ids) AS h(id);
+$$;
+
 -- Delete (ack) many held messages. One outcome per id: 'ok', 'state_invalid' (held under
 -- another lock token, or not held) or 'not_found'. Only the limits of the channels that have
 -- one are written; otherwise an ack is the DELETE and one tally row per channel.
@@ -18,7 +54,6 @@ DECLARE
     v_c text[];
     v_s boolean[];
     v_l boolean[];
-    r record;
 BEGIN
     WITH gone AS (
         DELETE FROM {schema}.message m
@@ -33,27 +68,14 @@ BEGIN
         INSERT INTO {schema}.tally (queue, channel, acked)
         SELECT u.q, u.c, count(*) FROM unnest(v_q, v_c) AS u(q, c) GROUP BY u.q, u.c;
         IF true = ANY (v_s) OR true = ANY (v_l) THEN
-            FOR r IN
-                SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
-                       count(*) FILTER (WHERE u.l)::integer AS l
-                FROM unnest(v_q, v_c, v_s, v_l) AS u(q, c, s, l)
-                WHERE u.s OR u.l GROUP BY u.q, u.c ORDER BY u.q, u.c
-            LOOP
-                PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
-            END LOOP;
+            PERFORM {schema}.ack_give_back_v1(v_q, v_c, v_s, v_l);
         END IF;
     END IF;
     IF coalesce(cardinality(v_gone), 0) = cardinality(p_ids) THEN
         RETURN QUERY SELECT h.id, 'ok'::text FROM unnest(p_ids) AS h(id);
         RETURN;
     END IF;
-    RETURN QUERY
-        SELECT h.id,
-            CASE WHEN h.id = ANY (coalesce(v_gone, ARRAY[]::bigint[])) THEN 'ok'
-                 WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
-                     THEN 'state_invalid'
-                 ELSE 'not_found' END
-        FROM unnest(p_ids) AS h(id);
+    RETURN QUERY SELECT * FROM {schema}.ack_outcome_v1(p_ids, v_gone);
 END;
 $$;
 

@@ -1,0 +1,1038 @@
+-- lonnymq migration 13.
+
+-- =============================================================================================
+-- The usual dequeue in two statements, and the dequeue as named steps (issue 26)
+-- =============================================================================================
+--
+-- message_dequeue_v3 (same signature and results): the usual call (one queue, nothing to
+-- ingest first, no lock past its expiry, the lane whose turn it is without limits and of one
+-- priority, and the only one due or one message asked for) reads the ingest's state, the
+-- lanes due and the heads in the statement that deletes its acks, and locks them in a
+-- second; the lane is written by lane_advance_v1 (one statement) when it has to be. Every
+-- other call runs the steps as before. The steps that were blocks of the one body are
+-- functions of their own: dequeue_wake_v1 (0), dequeue_expired_v1 (3), lane_heads_v1 (4),
+-- lane_served_v1 (5), dequeue_sleep_v1 (6), tally_events_v1 (its tally over several
+-- channels); the ack block is written once for the dequeue and message_delete_many_v1
+-- (ack_give_back_v1, ack_outcome_v1).
+
+-- Step 0: a caller that slept (it found nothing last time, with p_listen) is awake again:
+-- the 'sleep' keys its session still holds (p_keys: lonnymq.sleeping) are released.
+CREATE FUNCTION {schema}.dequeue_wake_v1(p_keys text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_unlock_shared(k.key)
+    FROM unnest(string_to_array(p_keys, ',')::bigint[]) AS k(key)
+    WHERE EXISTS (
+        SELECT 1 FROM pg_catalog.pg_locks l
+        WHERE l.pid = pg_backend_pid() AND l.locktype = 'advisory' AND l.objsubid = 1
+          AND l.mode = 'ShareLock' AND l.granted
+          AND l.classid::bigint = (k.key >> 32) & 4294967295
+          AND l.objid::bigint = k.key & 4294967295);
+    PERFORM set_config('lonnymq.sleeping', '', false);
+END;
+$$;
+
+-- Step 2, the usual call: its lane, owned, moved to the back and its position past what the
+-- call took (a lane without limits and of one priority; p_served: when it was served). One
+-- statement: the next message (not locked, ingested in the latest snapshot of the ingest:
+-- read after the lane's key was taken, as in step 5), and the version replaced by compare
+-- and swap, as lane_put_v1 does: only over the live version, and not one that a queue-wide
+-- change has locked.
+CREATE FUNCTION {schema}.lane_advance_v1(p_lane {schema}.lane, p_served timestamptz)
+RETURNS void
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+BEGIN
+    WITH next AS MATERIALIZED (
+        SELECT m.dequeue_at, m.id FROM {schema}.message m
+        WHERE m.queue = p_lane.queue AND m.channel = p_lane.channel
+          AND m.locked_until IS NULL AND m.priority = p_lane.prios[1]
+          AND (m.dequeue_at, m.id) >= (p_lane.pos_at[1], p_lane.pos_id[1])
+          AND pg_visible_in_snapshot(m.txid, (
+              SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1))
+        ORDER BY m.priority DESC, m.dequeue_at, m.id
+        LIMIT 1),
+    gone AS (
+        DELETE FROM {schema}.lane o
+        WHERE o.queue = p_lane.queue AND o.channel = p_lane.channel AND o.id = p_lane.id
+          AND o.id = (SELECT y.id FROM {schema}.lane y
+                      WHERE y.queue = p_lane.queue AND y.channel = p_lane.channel
+                        AND y.id = p_lane.id
+                      FOR UPDATE SKIP LOCKED)
+        RETURNING o.id)
+    INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at,
+                               pos_id, not_before)
+    SELECT p_lane.queue, p_lane.channel,
+           -- (its next message: due now, or later; none: no turn)
+           CASE WHEN n.id IS NOT NULL THEN GREATEST(n.dequeue_at, p_served, p_lane.turn_at) END,
+           p_served, false,
+           CASE WHEN n.id IS NULL THEN '{{}}' ELSE p_lane.prios END,
+           CASE WHEN n.id IS NULL THEN '{{}}' ELSE ARRAY[n.dequeue_at] END,
+           CASE WHEN n.id IS NULL THEN '{{}}' ELSE ARRAY[n.id] END,
+           NULL
+    FROM gone o LEFT JOIN next n ON true;
+END;
+$$;
+
+-- Step 3: messages of p_queues whose lock expired (from each queue's lock position
+-- p_lock_from), at most p_limit: they still count against their channel's concurrency and
+-- are taken over (event 'redelivered') without touching any lane; one delivered
+-- max_attempts times already (p_max_attempts, per queue), its holder dying each time, is a
+-- poison message: dead-lettered instead (event 'dead'). Tallied here.
+CREATE FUNCTION {schema}.dequeue_expired_v1(
+    p_queues text[], p_lock_from timestamptz[], p_max_attempts integer[], p_limit integer,
+    p_now timestamptz, p_lock interval
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    message_priority smallint, message_attempts integer, message_lock_token uuid,
+    message_created_at timestamptz, message_content bytea, message_state bytea, event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_relock bigint[];
+    v_poison bigint[];
+BEGIN
+    v_relock := ARRAY(
+        SELECT x.id FROM unnest(p_queues, p_lock_from) AS u(q, lf)
+        CROSS JOIN LATERAL (
+            SELECT e.id, e.locked_until FROM {schema}.message e
+            WHERE e.queue = u.q AND e.locked_until >= u.lf AND e.locked_until <= p_now
+            ORDER BY e.locked_until LIMIT p_limit
+            FOR UPDATE SKIP LOCKED
+        ) AS x
+        ORDER BY x.locked_until LIMIT p_limit);
+    v_poison := ARRAY(
+        SELECT m.id FROM {schema}.message m
+        WHERE m.id = ANY (v_relock)
+          AND m.attempts >= p_max_attempts[array_position(p_queues, m.queue)]
+        ORDER BY m.id);
+    IF cardinality(v_poison) > 0 THEN
+        RETURN QUERY
+            WITH b AS MATERIALIZED (
+                SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts')
+            ), tallied AS (
+                INSERT INTO {schema}.tally (queue, channel, dead, dead_held)
+                SELECT b.queue_name, b.channel_name, count(*), count(*)
+                FROM b GROUP BY b.queue_name, b.channel_name
+            )
+            SELECT b.message_id, b.queue_name, b.channel_name, b.message_name, NULL::smallint,
+                   b.message_attempts, NULL::uuid, b.message_created_at, NULL::bytea,
+                   NULL::bytea, 'dead'::text
+            FROM b;
+    END IF;
+    RETURN QUERY
+        WITH taken AS (
+            UPDATE {schema}.message m SET
+                locked_until = p_now + p_lock,
+                lock_token = gen_random_uuid(),
+                attempts = m.attempts + 1
+            WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)
+            RETURNING m.*
+        ), tallied AS (
+            INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, lock_until,
+                                        lock_id)
+            SELECT t.queue, t.channel, count(*), count(*), min(t.locked_until), min(t.id)
+            FROM taken t GROUP BY t.queue, t.channel
+        )
+        SELECT t.id, t.queue::text, t.channel::text, t.name, t.priority, t.attempts,
+               t.lock_token, t.created_at, t.content, t.state, 'redelivered'::text
+        FROM taken t ORDER BY t.locked_until, t.id;
+END;
+$$;
+
+-- Step 4, a pass over several lanes: each lane's heads (p_lanes: positions in p_cands, with
+-- their quota) from its positions: due (p_now), ingested (p_snap), not held by anyone, one
+-- more than its quota (has it more?); in rank order within the lane (priority, then due
+-- time, then id).
+CREATE FUNCTION {schema}.lane_heads_v1(
+    p_cands {schema}.lane[], p_lanes integer[], p_quota integer[], p_snap pg_snapshot,
+    p_now timestamptz, OUT ids bigint[], OUT lanes integer[], OUT ranks integer[]
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+BEGIN
+    SELECT array_agg(h.id ORDER BY h.rn, h.i), array_agg(h.i ORDER BY h.rn, h.i),
+           array_agg(h.rn ORDER BY h.rn, h.i)
+    INTO ids, lanes, ranks
+    FROM unnest(p_lanes, p_quota) AS u(i, quota)
+    CROSS JOIN LATERAL (
+        SELECT u.i, z.id,
+               (row_number() OVER (ORDER BY z.priority DESC, z.dequeue_at, z.id))::integer AS rn
+        FROM (
+            SELECT m.id, m.priority, m.dequeue_at
+            FROM unnest((p_cands[u.i]).prios, (p_cands[u.i]).pos_at,
+                        (p_cands[u.i]).pos_id) AS p(prio, at, pid)
+            CROSS JOIN LATERAL (
+                SELECT m.id, m.priority, m.dequeue_at FROM {schema}.message m
+                WHERE m.queue = (p_cands[u.i]).queue AND m.channel = (p_cands[u.i]).channel
+                  AND m.locked_until IS NULL AND m.priority = p.prio
+                  AND (m.dequeue_at, m.id) >= (p.at, p.pid) AND m.dequeue_at <= p_now
+                  AND pg_visible_in_snapshot(m.txid, p_snap)
+                ORDER BY m.priority DESC, m.dequeue_at, m.id
+                LIMIT u.quota + 1
+                FOR UPDATE SKIP LOCKED
+            ) AS m
+            ORDER BY m.priority DESC, m.dequeue_at, m.id
+            LIMIT u.quota + 1
+        ) AS z
+    ) AS h;
+END;
+$$;
+
+-- Step 5, for one lane the call owned: its channel's counts when it has limits (p_taken
+-- more in flight, the rate's tat), then the lane rewritten with the latest snapshot of the
+-- ingest (p_snap): positions at the first message not taken, the turn to the back (p_more:
+-- it has more due), at its next due message, at its next token (a rated lane that spent
+-- them), or none (nothing left, or at its max_concurrency). p_lone: the only lane of the
+-- call, and the only one due; then one without limits that has more, written a moment ago,
+-- is not written (its positions lag by what was taken since; the next write catches up).
+CREATE FUNCTION {schema}.lane_served_v1(
+    p_lane {schema}.lane, p_snap pg_snapshot, p_now timestamptz, p_served timestamptz,
+    p_taken integer, p_more boolean, p_lone boolean, p_max integer, p_room integer,
+    p_rate interval, p_tat timestamptz, p_tokens integer, p_burst integer
+)
+RETURNS void
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_lane {schema}.lane := p_lane;
+    v_wait timestamptz;
+    v_next record;
+BEGIN
+    IF (p_max IS NOT NULL OR p_rate IS NOT NULL) AND p_taken > 0 THEN
+        UPDATE {schema}.channel c SET
+            current_concurrency = c.current_concurrency
+                + CASE WHEN p_max IS NOT NULL THEN p_taken ELSE 0 END,
+            rate_tat = CASE WHEN p_rate IS NOT NULL THEN p_tat + p_taken * p_rate
+                            ELSE c.rate_tat END,
+            rate_interval = coalesce(p_rate, c.rate_interval)
+        WHERE c.queue = p_lane.queue AND c.name = p_lane.channel;
+    END IF;
+    -- a rated lane that spent its tokens: its turn not before the next one
+    v_wait := CASE WHEN p_rate IS NOT NULL AND p_tokens - p_taken <= 0
+        THEN p_tat + (p_taken - p_burst + 1) * p_rate END;
+    IF p_lone AND p_more AND NOT p_lane.limited AND p_lane.served_at > '-infinity'
+       AND p_lane.written_at > p_now - interval '5 milliseconds' THEN
+        RETURN;
+    END IF;
+    -- (what this call took is locked now; what another running dequeue holds still counts)
+    SELECT * INTO v_next FROM {schema}.lane_next_v1(p_lane, p_snap);
+    v_lane.prios := v_next.prios;
+    v_lane.pos_at := v_next.pos_at;
+    v_lane.pos_id := v_next.pos_id;
+    v_lane.limited := p_max IS NOT NULL OR p_rate IS NOT NULL;
+    v_lane.not_before := v_wait;
+    IF p_taken > 0 THEN
+        v_lane.served_at := p_served;
+    END IF;
+    IF p_max IS NOT NULL AND p_room - p_taken <= 0 THEN
+        v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
+    ELSIF p_more THEN
+        v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at, v_wait);
+    ELSE
+        v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
+            THEN GREATEST(v_next.next_at, v_lane.served_at, p_lane.turn_at, v_wait) END;
+    END IF;
+    -- (a version superseded meanwhile by its previous owner is left as it is)
+    IF EXISTS (SELECT 1 FROM {schema}.lane l
+               WHERE l.queue = p_lane.queue AND l.channel = p_lane.channel
+                 AND l.id = p_lane.id) THEN
+        PERFORM {schema}.lane_put_v1(p_lane.id, v_lane);
+    END IF;
+END;
+$$;
+
+-- Step 6: a listening caller that found nothing registers as sleeping on p_queues (their
+-- shared 'sleep' keys, named in lonnymq.sleeping for step 0 of its next call), then checks
+-- for producers still in their transactions (they may have looked for sleepers before):
+-- true when there is one (the caller looks once more, and retries soon).
+CREATE FUNCTION {schema}.dequeue_sleep_v1(p_queues text[]) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_keys text;
+BEGIN
+    v_keys := (SELECT string_agg({schema}.queue_key_v1('sleep', u.q)::text, ',')
+               FROM (SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q)) AS u);
+    PERFORM pg_advisory_lock_shared(k.key)
+    FROM unnest(string_to_array(v_keys, ',')::bigint[]) AS k(key);
+    PERFORM set_config('lonnymq.sleeping', v_keys, false);
+    RETURN EXISTS (SELECT 1 FROM unnest(p_queues) AS u(q) WHERE NOT {schema}.queue_idle_v1(u.q));
+END;
+$$;
+
+-- The tally of a dequeue whose events (p_q, p_c, p_k: queue, channel, kind) are of several
+-- channels: one row per channel (the dequeue writes the one of a single channel itself).
+CREATE FUNCTION {schema}.tally_events_v1(
+    p_q text[], p_c text[], p_k text[], p_lock_until timestamptz, p_lock_id bigint
+)
+RETURNS void
+LANGUAGE sql AS $$
+    INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                dead_held, lock_until, lock_id)
+    SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
+           count(*) FILTER (WHERE u.k = 'redelivered'), count(*) FILTER (WHERE u.k = 'acked'),
+           count(*) FILTER (WHERE u.k = 'expired'), count(*) FILTER (WHERE u.k = 'dead'),
+           count(*) FILTER (WHERE u.k = 'dead_held'),
+           CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN p_lock_until END,
+           CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN p_lock_id END
+    FROM unnest(p_q, p_c, p_k) AS u(q, c, k)
+    GROUP BY u.q, u.c;
+$$;
+
+-- The ack block of message_delete_many_v1 and of the dequeue (its acks): what the acked
+-- messages (p_queues, p_channels: of each; p_sized, p_slotted: counted in their channel's
+-- current_size / current_concurrency) held on limited channels is given back, channel by
+-- channel in (queue, channel) order (the order every writer of channel rows keeps).
+CREATE FUNCTION {schema}.ack_give_back_v1(
+    p_queues text[], p_channels text[], p_sized boolean[], p_slotted boolean[]
+)
+RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT u.q, u.c, count(*) FILTER (WHERE u.s)::integer AS s,
+               count(*) FILTER (WHERE u.l)::integer AS l
+        FROM unnest(p_queues, p_channels, p_sized, p_slotted) AS u(q, c, s, l)
+        WHERE u.s OR u.l GROUP BY u.q, u.c ORDER BY u.q, u.c
+    LOOP
+        PERFORM {schema}.channel_give_back_v1(r.q, r.c, r.s, r.l);
+    END LOOP;
+END;
+$$;
+
+-- The outcome of each ack of p_ids, p_gone being those deleted: 'ok', 'state_invalid' (held
+-- under another lock token, or not held) or 'not_found'.
+CREATE FUNCTION {schema}.ack_outcome_v1(p_ids bigint[], p_gone bigint[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE sql STABLE AS $$
+    SELECT h.id,
+        CASE WHEN h.id = ANY (coalesce(p_gone, ARRAY[]::bigint[])) THEN 'ok'
+             WHEN EXISTS (SELECT 1 FROM {schema}.message m WHERE m.id = h.id)
+                 THEN 'state_invalid'
+             ELSE 'not_found' END
+    FROM unnest(p_ids) AS h(id);
+$$;
+
+-- Delete (ack) many held messages. One outcome per id: 'ok', 'state_invalid' (held under
+-- another lock token, or not held) or 'not_found'. Only the limits of the channels that have
+-- one are written; otherwise an ack is the DELETE and one tally row per channel.
+CREATE OR REPLACE FUNCTION {schema}.message_delete_many_v1(p_ids bigint[], p_lock_tokens uuid[])
+RETURNS TABLE (message_id bigint, result_code text)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_gone bigint[];
+    v_q text[];
+    v_c text[];
+    v_s boolean[];
+    v_l boolean[];
+BEGIN
+    WITH gone AS (
+        DELETE FROM {schema}.message m
+        WHERE m.id = ANY (p_ids)
+          AND m.lock_token = p_lock_tokens[array_position(p_ids, m.id)]
+        RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+    )
+    SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
+           array_agg(g.slotted)
+    INTO v_gone, v_q, v_c, v_s, v_l FROM gone g;
+    IF v_gone IS NOT NULL THEN
+        INSERT INTO {schema}.tally (queue, channel, acked)
+        SELECT u.q, u.c, count(*) FROM unnest(v_q, v_c) AS u(q, c) GROUP BY u.q, u.c;
+        IF true = ANY (v_s) OR true = ANY (v_l) THEN
+            PERFORM {schema}.ack_give_back_v1(v_q, v_c, v_s, v_l);
+        END IF;
+    END IF;
+    IF coalesce(cardinality(v_gone), 0) = cardinality(p_ids) THEN
+        RETURN QUERY SELECT h.id, 'ok'::text FROM unnest(p_ids) AS h(id);
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM {schema}.ack_outcome_v1(p_ids, v_gone);
+END;
+$$;
+
+-- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms; with
+-- p_ack_ids/p_ack_tokens, delete those held messages first (a consumer's acks travel with
+-- its next dequeue: rows 'ack_state_invalid' / 'ack_not_found' for those that did not
+-- apply). Messages whose lock expired come first (their holder is gone); then lanes whose
+-- turn it is are served round-robin, the one waiting longest first, an equal share each,
+-- within a channel's max_concurrency; within a lane, highest priority, then earliest due,
+-- then oldest. Rows come back in delivery order. When nothing is available, one row comes
+-- back with message_id NULL and retry_ms: milliseconds until something may become available
+-- (NULL: nothing is pending). With p_listen, a caller that gets nothing is registered as
+-- sleeping on its queues until its next call: their producers then send a NOTIFY. A message
+-- delivered max_attempts times already (of its queue) goes to the dead letters instead and
+-- comes back as a row with event 'dead'; a delivered message's event is 'delivered', or
+-- 'redelivered' when its previous lock had expired.
+--
+-- Nothing here waits for another transaction: a consumer owns a lane for its call when it
+-- gets the lane's advisory key (it then moves the lane to the back and its positions past
+-- what it took); a lane owned by another consumer is served too, without being written,
+-- unless it has a max_concurrency (whose count is under the channel row, locked by its owner).
+CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v3(
+    p_queues text[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
+    p_ack_tokens uuid[], p_listen boolean
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_lock_until timestamptz;
+    v_lock_id bigint;
+    v_d {schema}.discovery;
+    v_ingested boolean := false;
+    v_slept boolean := false;
+    v_waited boolean := false;
+    v_qi integer;
+    v_rows integer;
+    v_busy boolean := false;
+    v_got integer := 0;
+    v_left integer;
+    v_n integer;
+    v_k integer;
+    r record;
+    v_keys text;
+    -- events for the tally: queue, channel, kind
+    e_q text[] := ARRAY[]::text[];
+    e_c text[] := ARRAY[]::text[];
+    e_k text[] := ARRAY[]::text[];
+    -- acks
+    v_gone bigint[];
+    v_gq text[];
+    v_gc text[];
+    v_gs boolean[];
+    v_gl boolean[];
+    -- queues
+    v_qn text[];
+    v_qmax integer[];
+    v_qtf timestamptz[];
+    v_qlf timestamptz[];
+    v_expired boolean;
+    v_poison bigint[];
+    -- lanes, and per lane: owned, cap, max_concurrency, taken, more due, done
+    v_cands {schema}.lane[];
+    v_own boolean[];
+    v_cap integer[];
+    v_room integer[];
+    v_max integer[];
+    -- rated lanes: emission interval, burst, tat (at least now) and tokens when the call began
+    v_rt interval[];
+    v_burst integer[];
+    v_tat timestamptz[];
+    v_tok integer[];
+    v_taken integer[];
+    v_more boolean[];
+    v_done boolean[];
+    v_open integer;
+    v_share integer;
+    v_passes integer;
+    v_lanes integer[];
+    v_quota integer[];
+    -- a pass's heads: id, lane, rank in lane
+    h_id bigint[];
+    h_lane integer[];
+    h_rn integer[];
+    v_take bigint[];
+    v_slotted bigint[];
+    v_locked bigint[];
+    v_served timestamptz;
+    v_lane {schema}.lane;
+    v_retry bigint;
+    v_snap pg_snapshot;
+    v_dead integer := 0;
+    -- the usual call (step 2): taken without steps 3 to 6
+    v_fast boolean := false;
+    v_usual boolean;
+    i integer;
+BEGIN
+    -- 0. a caller that slept (it found nothing last time) is awake again
+    v_keys := current_setting('lonnymq.sleeping', true);
+    IF v_keys IS NOT NULL AND v_keys <> '' THEN
+        PERFORM {schema}.dequeue_wake_v1(v_keys);
+    END IF;
+
+    -- 1. acks; for the usual call (2), in the same statement as its read: the ingest's state,
+    --    the lanes whose turn it is and the first one's heads
+    v_usual := cardinality(p_queues) = 1 AND p_limit > 0
+        AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
+    IF v_usual THEN
+        v_now := clock_timestamp();
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id = ANY (p_ack_ids)
+              AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+            RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+        )
+        SELECT a.ids, a.queues, a.channels, a.sized, a.slotted, s.lanes, s.heads
+        INTO v_gone, v_gq, v_gc, v_gs, v_gl, v_cands, h_id
+        FROM (SELECT array_agg(g.id) AS ids, array_agg(g.queue) AS queues,
+                     array_agg(g.channel) AS channels, array_agg(g.sized) AS sized,
+                     array_agg(g.slotted) AS slotted
+              FROM gone g) AS a
+        LEFT JOIN LATERAL (
+            SELECT x.lanes, h.heads
+            FROM (SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1) AS d
+            JOIN {schema}.queue q ON q.name = p_queues[1]
+            -- the lanes whose turn it is, oldest turn first (two: is it the only one?)
+            CROSS JOIN LATERAL (
+                SELECT ARRAY(
+                    SELECT l FROM {schema}.lane l
+                    WHERE l.queue = p_queues[1]
+                      AND l.turn_at >= coalesce(
+                          d.turn_from[array_position(d.queues, p_queues[1])], '-infinity')
+                      AND l.turn_at <= v_now + interval '1 millisecond'
+                    ORDER BY l.turn_at, l.id LIMIT 2) AS lanes
+                OFFSET 0) AS x  -- (read once, not at each use of its column)
+            -- the first one's heads from its position when the call is the usual one (the
+            -- ingest's state is fresh, no lock is past its expiry, the lane has no limit and
+            -- one priority, and is the only one due or one message is asked for): due,
+            -- ingested, not held by anyone, one more than asked for (has it more?); those
+            -- past their time to live or their max_attempts negated (steps 3 and 4 handle
+            -- them)
+            CROSS JOIN LATERAL (
+                SELECT ARRAY(
+                    SELECT CASE WHEN m.expires_at <= v_now
+                                     OR m.attempts >= coalesce(q.max_attempts, 2147483647)
+                                THEN -m.id ELSE m.id END
+                    FROM {schema}.message m
+                    WHERE d.taken_at >= v_now - interval '10 milliseconds'
+                      AND d.folded_at >= v_now - interval '1 second'
+                      AND p_queues[1] = ANY (d.queues)
+                      AND NOT (cardinality(d.pend_queue) > 0
+                               AND d.taken_at < v_now - interval '5 milliseconds')
+                      AND NOT (x.lanes[1]).limited AND cardinality((x.lanes[1]).prios) = 1
+                      AND (p_limit = 1 OR cardinality(x.lanes) = 1)
+                      AND NOT EXISTS (
+                          SELECT 1 FROM {schema}.message e
+                          WHERE e.queue = p_queues[1]
+                            AND e.locked_until >= coalesce(
+                                d.lock_from[array_position(d.queues, p_queues[1])], '-infinity')
+                            AND e.locked_until <= v_now)
+                      AND m.queue = p_queues[1] AND m.channel = (x.lanes[1]).channel
+                      AND m.locked_until IS NULL AND m.priority = ((x.lanes[1]).prios)[1]
+                      AND (m.dequeue_at, m.id) >= (((x.lanes[1]).pos_at)[1],
+                                                   ((x.lanes[1]).pos_id)[1])
+                      AND m.dequeue_at <= v_now
+                      AND pg_visible_in_snapshot(m.txid, d.snap)
+                    ORDER BY m.priority DESC, m.dequeue_at, m.id
+                    LIMIT p_limit + 1
+                    FOR UPDATE SKIP LOCKED) AS heads) AS h
+        ) AS s ON true;
+    ELSIF coalesce(cardinality(p_ack_ids), 0) > 0 THEN
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id = ANY (p_ack_ids)
+              AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+            RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+        )
+        SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
+               array_agg(g.slotted)
+        INTO v_gone, v_gq, v_gc, v_gs, v_gl FROM gone g;
+    END IF;
+    IF v_gone IS NOT NULL THEN
+        e_q := v_gq;
+        e_c := v_gc;
+        e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
+        IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
+            PERFORM {schema}.ack_give_back_v1(v_gq, v_gc, v_gs, v_gl);
+        END IF;
+    END IF;
+    -- (those that did not apply: a row each)
+    IF coalesce(cardinality(v_gone), 0) < coalesce(cardinality(p_ack_ids), 0) THEN
+        RETURN QUERY
+            SELECT o.message_id, NULL::text, NULL::text, NULL::text, NULL::smallint,
+                   NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+                   NULL::bigint, 'ack_' || o.result_code
+            FROM {schema}.ack_outcome_v1(p_ack_ids, v_gone) AS o WHERE o.result_code <> 'ok';
+    END IF;
+
+    -- 2. the usual call: what its read found is locked and returned (no other statement
+    --    reads, unless the lane is to be written: as in step 5). Otherwise steps 2 to 6 run
+    --    (v_fast stays false); the heads its read locked, if any, are this transaction's own.
+    v_take := h_id[1:p_limit];
+    IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
+        v_fast := true;
+        v_lane := v_cands[1];
+        RETURN QUERY
+            WITH locked AS (
+                UPDATE {schema}.message m SET
+                    locked_until = v_now + v_lock,
+                    lock_token = gen_random_uuid(),
+                    attempts = m.attempts + 1,
+                    slotted = false
+                WHERE m.id = ANY (v_take)
+                RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                          m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+            )
+            SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
+                   k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
+                   'delivered'::text
+            FROM locked k ORDER BY k.dequeue_at, k.id;
+        v_got := cardinality(v_take);
+        v_lock_until := v_now + v_lock;
+        v_lock_id := v_take[1];
+        e_q := e_q || array_fill(v_lane.queue::text, ARRAY[v_got]);
+        e_c := e_c || array_fill(v_lane.channel::text, ARRAY[v_got]);
+        e_k := e_k || array_fill('delivered'::text, ARRAY[v_got]);
+        -- the lane, owned with its key: moved to the back, its position past what was
+        -- taken, as in step 5 (unless it is the only one due, has more, and was written a
+        -- moment ago), read with the latest snapshot of the ingest
+        IF pg_try_advisory_xact_lock({schema}.lane_key_v1(v_lane.queue, v_lane.channel))
+           AND NOT (cardinality(v_cands) = 1 AND cardinality(h_id) > p_limit
+                    AND v_lane.served_at > '-infinity'
+                    AND v_lane.written_at > v_now - interval '5 milliseconds') THEN
+            PERFORM {schema}.lane_advance_v1(v_lane, clock_timestamp() + interval '1 microsecond');
+        END IF;
+    END IF;
+
+    IF NOT v_fast THEN
+        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    END IF;
+    LOOP
+        EXIT WHEN v_fast;
+        -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
+        --    points from which lanes are read past the versions consumers superseded
+        --    meanwhile: dead rows that a snapshot held elsewhere keeps from being vacuumed),
+        --    and below when this call finds nothing in what is ingested. Not at every call:
+        --    an ingest costs several times a delivery, and with messages waiting a consumer
+        --    has no need of the newest ones.
+        IF NOT v_ingested AND current_setting('lonnymq.fresh', true) = 'on' THEN
+            PERFORM set_config('lonnymq.fresh', '', false);
+            v_d := {schema}.ingest_wait_v1(p_queues);
+            v_ingested := true;
+            v_now := clock_timestamp();
+        ELSIF NOT v_ingested
+           AND (v_d.taken_at < v_now - interval '10 milliseconds'
+                OR v_d.folded_at < v_now - interval '1 second'
+                OR NOT (p_queues <@ v_d.queues)
+                -- (heads an ingest could not write, their lane being served: soon, not at
+                -- once, or a busy lane would have every call ingest)
+                OR (cardinality(v_d.pend_queue) > 0
+                    AND v_d.taken_at < v_now - interval '5 milliseconds')) THEN
+            v_d := {schema}.ingest_v1(p_queues, false, false);
+            v_ingested := true;
+            v_now := clock_timestamp();
+        END IF;
+
+        -- the queues, their settings and positions; is there a lock past its expiry?
+        -- (Every statement's plan is set up again in each transaction, aggregates and sorts
+        -- most of all: the usual cases, one queue and one lane, take statements without.)
+        IF cardinality(p_queues) = 1 THEN
+            v_qi := array_position(v_d.queues, p_queues[1]);
+            SELECT ARRAY[q.name::text], ARRAY[coalesce(q.max_attempts, 2147483647)],
+                   ARRAY[coalesce(v_d.turn_from[v_qi], '-infinity')],
+                   ARRAY[coalesce(v_d.lock_from[v_qi], '-infinity')],
+                   -- (the first one in lock order, from the queue's lock position: an EXISTS
+                   -- loses the order, and was planned as a read of the whole locked index)
+                   (SELECT e.locked_until FROM {schema}.message e
+                    WHERE e.queue = p_queues[1]
+                      AND e.locked_until >= coalesce(v_d.lock_from[v_qi], '-infinity')
+                      AND e.locked_until <= v_now
+                    ORDER BY e.queue, e.locked_until LIMIT 1) IS NOT NULL
+            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+            FROM {schema}.queue q WHERE q.name = p_queues[1];
+        ELSE
+            SELECT array_agg(q.name ORDER BY q.name),
+                   array_agg(coalesce(q.max_attempts, 2147483647) ORDER BY q.name),
+                   array_agg(coalesce(v_d.turn_from[array_position(v_d.queues, q.name)],
+                                      '-infinity') ORDER BY q.name),
+                   array_agg(coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                      '-infinity') ORDER BY q.name),
+                   coalesce(bool_or(x.found), false)
+            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+            FROM {schema}.queue q
+            LEFT JOIN LATERAL (
+                SELECT true AS found FROM {schema}.message e
+                WHERE e.queue = q.name
+                  AND e.locked_until >= coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
+                                                 '-infinity')
+                  AND e.locked_until <= v_now
+                ORDER BY e.locked_until LIMIT 1
+            ) AS x ON true
+            WHERE q.name = ANY (p_queues);
+        END IF;
+        v_left := p_limit - v_got;
+
+        -- 3. messages whose lock expired: taken over first (or dead-lettered)
+        IF v_expired AND v_left > 0 THEN
+            FOR r IN SELECT * FROM {schema}.dequeue_expired_v1(v_qn, v_qlf, v_qmax, v_left, v_now,
+                                                               v_lock) AS x LOOP
+                IF r.event = 'dead' THEN
+                    v_dead := v_dead + 1;
+                ELSE
+                    v_got := v_got + 1;
+                END IF;
+                RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
+                    r.message_priority, r.message_attempts, r.message_lock_token,
+                    r.message_created_at, r.message_content, r.message_state, NULL::bigint,
+                    r.event;
+            END LOOP;
+            v_left := p_limit - v_got;
+        END IF;
+
+        -- 4. lanes whose turn it is, oldest turn first (one more than needed, to know
+        --    whether another one waits)
+        v_n := 0;
+        IF v_left > 0 AND v_qn IS NOT NULL THEN
+            -- (the ingest's state is read again in the same statement: a lane version is
+            -- never newer than the snapshot its positions are read with)
+            -- (due: at most a millisecond from now, so that a lane another consumer has
+            -- just moved to the back, at its clock, is due for this one too)
+            v_now := clock_timestamp();
+            IF cardinality(v_qn) = 1 THEN
+                SELECT ARRAY(
+                    SELECT l FROM {schema}.lane l
+                    WHERE l.queue = v_qn[1] AND l.turn_at >= v_qtf[1]
+                      AND l.turn_at <= v_now + interval '1 millisecond'
+                    ORDER BY l.turn_at, l.id LIMIT v_left + 1),
+                    (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+                INTO v_cands, v_snap;
+            ELSE
+                SELECT ARRAY(
+                    SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
+                    CROSS JOIN LATERAL (
+                        SELECT l FROM {schema}.lane l
+                        WHERE l.queue = u.q AND l.turn_at >= u.tf
+                          AND l.turn_at <= v_now + interval '1 millisecond'
+                        ORDER BY l.turn_at, l.id LIMIT v_left + 1
+                    ) AS x
+                    ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
+                    (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+                INTO v_cands, v_snap;
+            END IF;
+            v_d.snap := v_snap;
+            v_n := LEAST(cardinality(v_cands), v_left);
+        END IF;
+        IF v_n > 0 THEN
+            v_own := array_fill(false, ARRAY[v_n]);
+            v_cap := array_fill(0, ARRAY[v_n]);
+            v_room := array_fill(NULL::integer, ARRAY[v_n]);
+            v_max := array_fill(NULL::integer, ARRAY[v_n]);
+            -- (rated lanes only: filled as they are met, NULL elsewhere)
+            v_rt := NULL;
+            v_burst := NULL;
+            v_tat := NULL;
+            v_tok := NULL;
+            v_taken := array_fill(0, ARRAY[v_n]);
+            v_more := array_fill(false, ARRAY[v_n]);
+            v_done := array_fill(false, ARRAY[v_n]);
+            FOR i IN 1 .. v_n LOOP
+                v_own[i] := pg_try_advisory_xact_lock(
+                    {schema}.lane_key_v1((v_cands[i]).queue, (v_cands[i]).channel));
+                IF NOT (v_cands[i]).limited THEN
+                    v_cap[i] := v_left;
+                ELSIF v_own[i] THEN
+                    SELECT h.* INTO r
+                    FROM {schema}.channel_headroom_v2((v_cands[i]).queue, (v_cands[i]).channel,
+                                                      v_now) AS h;
+                    IF r.headroom IS NULL THEN
+                        -- its channel row is busy (an open transaction of a producer of a
+                        -- channel with a max_size, or of an ack): not served this time, and
+                        -- its turn a little later, so that it does not hold back the point
+                        -- from which the lanes are read (which would then walk every lane
+                        -- version written meanwhile)
+                        v_own[i] := false;
+                        v_lane := v_cands[i];
+                        v_lane.turn_at := GREATEST(v_lane.turn_at,
+                                                   clock_timestamp() + interval '10 milliseconds');
+                        IF EXISTS (SELECT 1 FROM {schema}.lane l
+                                   WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
+                                     AND l.id = v_lane.id) THEN
+                            PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
+                        END IF;
+                    ELSE
+                        v_room[i] := r.room;
+                        v_cap[i] := LEAST(r.headroom, v_left);
+                        v_max[i] := r.max_concurrency;
+                        v_rt[i] := r.rate_interval;
+                        v_burst[i] := r.burst;
+                        v_tat[i] := r.tat;
+                        v_tok[i] := r.tokens;
+                    END IF;
+                END IF;
+            END LOOP;
+            -- passes: an equal share of what is left to each lane that may give more
+            v_passes := 0;
+            LOOP
+                v_passes := v_passes + 1;
+                IF v_n = 1 THEN
+                    v_lanes := CASE WHEN NOT v_done[1] AND v_cap[1] > v_taken[1]
+                                    THEN ARRAY[1] ELSE ARRAY[]::integer[] END;
+                ELSE
+                    v_lanes := ARRAY(SELECT g.i FROM generate_series(1, v_n) AS g(i)
+                                     WHERE NOT v_done[g.i] AND v_cap[g.i] > v_taken[g.i] ORDER BY g.i);
+                END IF;
+                v_open := cardinality(v_lanes);
+                EXIT WHEN v_open = 0 OR v_left <= 0 OR v_passes > 8;
+                v_share := ceil(v_left::numeric / v_open)::integer;
+                IF v_open = 1 THEN
+                    v_quota := ARRAY[LEAST(v_share, v_cap[v_lanes[1]] - v_taken[v_lanes[1]])];
+                ELSE
+                    v_quota := ARRAY(SELECT LEAST(v_share, v_cap[u.i] - v_taken[u.i])
+                                     FROM unnest(v_lanes) AS u(i));
+                END IF;
+                -- each lane's head from its positions: due, ingested, not held by anyone; one
+                -- more than its quota tells whether it has more
+                IF v_open = 1 AND cardinality((v_cands[v_lanes[1]]).prios) = 1 THEN
+                    v_k := v_lanes[1];
+                    h_id := ARRAY(
+                        SELECT m.id FROM {schema}.message m
+                        WHERE m.queue = (v_cands[v_k]).queue AND m.channel = (v_cands[v_k]).channel
+                          AND m.locked_until IS NULL AND m.priority = ((v_cands[v_k]).prios)[1]
+                          AND (m.dequeue_at, m.id) >= (((v_cands[v_k]).pos_at)[1],
+                                                       ((v_cands[v_k]).pos_id)[1])
+                          AND m.dequeue_at <= v_now
+                          AND pg_visible_in_snapshot(m.txid, v_d.snap)
+                        ORDER BY m.priority DESC, m.dequeue_at, m.id
+                        LIMIT v_quota[1] + 1
+                        FOR UPDATE SKIP LOCKED);
+                    h_lane := array_fill(v_k, ARRAY[cardinality(h_id)]);
+                    h_rn := ARRAY(SELECT generate_series(1, cardinality(h_id)));
+                ELSE
+                SELECT x.ids, x.lanes, x.ranks INTO h_id, h_lane, h_rn
+                FROM {schema}.lane_heads_v1(v_cands, v_lanes, v_quota, v_d.snap, v_now) AS x;
+                END IF;
+                FOR i IN 1 .. v_open LOOP
+                    v_k := v_lanes[i];
+                    v_more[v_k] := coalesce(array_length(array_positions(h_lane, v_k), 1), 0) > v_quota[i];
+                    IF NOT v_more[v_k] THEN
+                        v_done[v_k] := true;
+                    END IF;
+                END LOOP;
+                -- (the quotas are rounded up: never more than the call has left, in rank order)
+                IF v_open = 1 THEN
+                    v_take := h_id[1:v_quota[1]];
+                ELSE
+                    v_take := ARRAY(
+                        SELECT t.id FROM unnest(h_id, h_lane, h_rn) AS t(id, l, rn)
+                        JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
+                        WHERE t.rn <= u.quota
+                        ORDER BY t.rn, t.l LIMIT v_left);
+                END IF;
+                EXIT WHEN coalesce(cardinality(v_take), 0) = 0;
+                IF v_open = 1 THEN
+                    v_slotted := CASE WHEN v_max[v_lanes[1]] IS NOT NULL THEN v_take
+                                      ELSE ARRAY[]::bigint[] END;
+                ELSE
+                    v_slotted := ARRAY(
+                        SELECT t.id FROM unnest(h_id, h_lane) AS t(id, l)
+                        WHERE t.id = ANY (v_take) AND v_max[t.l] IS NOT NULL);
+                END IF;
+                -- lock them (by primary key from the array); those past their time to live or
+                -- delivered max_attempts times are left out, and handled below
+                v_locked := ARRAY[]::bigint[];
+                IF v_open = 1 THEN
+                    -- (one lane: its heads are in rank order already)
+                    RETURN QUERY
+                        WITH locked AS (
+                            UPDATE {schema}.message m SET
+                                locked_until = v_now + v_lock,
+                                lock_token = gen_random_uuid(),
+                                attempts = m.attempts + 1,
+                                slotted = m.id = ANY (v_slotted)
+                            WHERE m.id = ANY (v_take)
+                              AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                              AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                            RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                                      m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+                        )
+                        SELECT l.id, l.queue::text, l.channel::text, l.name, l.priority, l.attempts,
+                               l.lock_token, l.created_at, l.content, l.state, NULL::bigint,
+                               'delivered'::text
+                        FROM locked l ORDER BY l.priority DESC, l.dequeue_at, l.id;
+                    GET DIAGNOSTICS v_rows = ROW_COUNT;
+                    IF v_rows = cardinality(v_take) THEN
+                        v_locked := v_take;
+                    ELSIF v_rows > 0 THEN
+                        v_locked := ARRAY(SELECT m.id FROM {schema}.message m
+                                          WHERE m.id = ANY (v_take) AND m.lock_token IS NOT NULL);
+                    END IF;
+                    v_k := v_lanes[1];
+                    v_taken[v_k] := v_taken[v_k] + cardinality(v_locked);
+                    IF cardinality(v_locked) > 0 THEN
+                        e_q := e_q || array_fill((v_cands[v_k]).queue::text,
+                                                 ARRAY[cardinality(v_locked)]);
+                        e_c := e_c || array_fill((v_cands[v_k]).channel::text,
+                                                 ARRAY[cardinality(v_locked)]);
+                        e_k := e_k || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
+                    END IF;
+                ELSE
+                FOR r IN
+                    WITH locked AS (
+                        UPDATE {schema}.message m SET
+                            locked_until = v_now + v_lock,
+                            lock_token = gen_random_uuid(),
+                            attempts = m.attempts + 1,
+                            slotted = m.id = ANY (v_slotted)
+                        WHERE m.id = ANY (v_take) AND (m.expires_at IS NULL OR m.expires_at > v_now)
+                          AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                        RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                                  m.lock_token, m.created_at, m.content, m.state
+                    )
+                    SELECT l.*, t.l AS lane, v_taken[t.l] + t.rn AS rnk
+                    FROM locked l
+                    JOIN unnest(h_id, h_lane, h_rn) AS t(id, l, rn) ON t.id = l.id
+                    ORDER BY rnk, lane
+                LOOP
+                    v_locked := v_locked || r.id;
+                    message_id := r.id;
+                    queue_name := r.queue;
+                    channel_name := r.channel;
+                    message_name := r.name;
+                    message_priority := r.priority;
+                    message_attempts := r.attempts;
+                    message_lock_token := r.lock_token;
+                    message_created_at := r.created_at;
+                    message_content := r.content;
+                    message_state := r.state;
+                    retry_ms := NULL;
+                    event := 'delivered';
+                    RETURN NEXT;
+                END LOOP;
+                FOR i IN 1 .. cardinality(h_id) LOOP
+                    IF h_id[i] = ANY (v_locked) THEN
+                        v_taken[h_lane[i]] := v_taken[h_lane[i]] + 1;
+                        e_q := e_q || (v_cands[h_lane[i]]).queue;
+                        e_c := e_c || (v_cands[h_lane[i]]).channel;
+                        e_k := e_k || 'delivered'::text;
+                    END IF;
+                END LOOP;
+                END IF;
+                v_got := v_got + cardinality(v_locked);
+                v_left := p_limit - v_got;
+                IF cardinality(v_locked) > 0
+                   AND (v_lock_until IS NULL OR v_now + v_lock < v_lock_until) THEN
+                    v_lock_until := v_now + v_lock;
+                    v_lock_id := v_locked[1];
+                END IF;
+                IF cardinality(v_locked) < cardinality(v_take) THEN
+                    -- past their time to live: deleted
+                    FOR r IN
+                        DELETE FROM {schema}.message m
+                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.expires_at <= v_now
+                        RETURNING m.id, m.queue, m.channel, m.sized
+                    LOOP
+                        e_q := e_q || r.queue;
+                        e_c := e_c || r.channel;
+                        e_k := e_k || 'expired'::text;
+                        IF r.sized THEN
+                            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, 1, 0);
+                        END IF;
+                    END LOOP;
+                    -- delivered max_attempts times: dead-lettered
+                    v_poison := ARRAY(
+                        SELECT m.id FROM {schema}.message m
+                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.locked_until IS NULL
+                        ORDER BY m.id);
+                    IF cardinality(v_poison) > 0 THEN
+                        FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
+                            v_dead := v_dead + 1;
+                            e_q := e_q || r.queue_name;
+                            e_c := e_c || r.channel_name;
+                            e_k := e_k || 'dead'::text;
+                            RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name,
+                                r.message_name, NULL::smallint, r.message_attempts, NULL::uuid,
+                                r.message_created_at, NULL::bytea, NULL::bytea, NULL::bigint,
+                                'dead'::text;
+                        END LOOP;
+                    END IF;
+                END IF;
+            END LOOP;
+
+            -- 5. the owned lanes: positions past what they took, the turn to the back (or at
+            --    the next due message, or none). Positions are read with the latest snapshot of
+            --    the ingest: one that looked at a lane and left it as it was (its positions
+            --    covered what it found) did so before this call took the lane's key.
+            v_served := clock_timestamp();
+            SELECT d.snap INTO v_snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+            FOR i IN 1 .. v_n LOOP
+                CONTINUE WHEN NOT v_own[i];
+                PERFORM {schema}.lane_served_v1(v_cands[i], v_snap, v_now,
+                    v_served + i * interval '1 microsecond', v_taken[i], v_more[i],
+                    v_n = 1 AND cardinality(v_cands) = 1, v_max[i], v_room[i], v_rt[i], v_tat[i],
+                    v_tok[i], v_burst[i]);
+            END LOOP;
+        END IF;
+        EXIT WHEN v_got > 0;
+
+        -- 6. nothing. A listening caller registers as sleeping, checks for producers still
+        --    in their transactions (they may have looked for sleepers before), then looks
+        --    once more: a producer that commits after that sees it sleeping and notifies.
+        IF p_listen AND NOT v_slept THEN
+            v_slept := true;
+            v_busy := {schema}.dequeue_sleep_v1(p_queues);
+            v_ingested := false;
+            v_now := clock_timestamp();
+            CONTINUE;
+        END IF;
+        -- (then ingest, waiting a little for an ingest another consumer is running: what it
+        -- brings in is not deliverable before it commits, and answering "nothing" meanwhile
+        -- would send this caller to sleep while messages wait)
+        EXIT WHEN v_waited;
+        v_waited := true;
+        v_d := {schema}.ingest_wait_v1(p_queues);
+        v_ingested := true;
+        v_now := clock_timestamp();
+    END LOOP;
+
+    -- the tally of this call: one row per channel (one channel, the usual case, without an
+    -- aggregate)
+    IF cardinality(e_q) > 0 AND e_q <@ ARRAY[e_q[1]] AND e_c <@ ARRAY[e_c[1]] THEN
+        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                    dead_held, lock_until, lock_id)
+        VALUES (e_q[1], e_c[1], cardinality(array_positions(e_k, 'delivered')),
+                cardinality(array_positions(e_k, 'redelivered')),
+                cardinality(array_positions(e_k, 'acked')),
+                cardinality(array_positions(e_k, 'expired')),
+                cardinality(array_positions(e_k, 'dead')),
+                cardinality(array_positions(e_k, 'dead_held')),
+                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_until END,
+                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_id END);
+    ELSIF cardinality(e_q) > 0 THEN
+        PERFORM {schema}.tally_events_v1(e_q, e_c, e_k, v_lock_until, v_lock_id);
+    END IF;
+
+    IF v_got = 0 THEN
+        -- (after dead-lettering, look again at once: what comes next may be deliverable)
+        v_retry := CASE WHEN v_dead > 0 THEN 0 ELSE {schema}.queue_retry_ms_v1(p_queues, v_d) END;
+        IF v_busy THEN
+            v_retry := LEAST(coalesce(v_retry, 20), 20);
+        END IF;
+        RETURN QUERY SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+            NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea, v_retry,
+            NULL::text;
+    END IF;
+END;
+$$;
+
+-- (CREATE OR REPLACE keeps the owner and the grants; the attributes are the statement's)
+REVOKE ALL ON FUNCTION {schema}.dequeue_wake_v1(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.lane_advance_v1({schema}.lane, timestamptz) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_expired_v1(text[], timestamptz[], integer[], integer, timestamptz, interval) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.lane_heads_v1({schema}.lane[], integer[], integer[], pg_snapshot, timestamptz) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.lane_served_v1({schema}.lane, pg_snapshot, timestamptz, timestamptz, integer, boolean, boolean, integer, integer, interval, timestamptz, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_sleep_v1(text[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.tally_events_v1(text[], text[], text[], timestamptz, bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.ack_give_back_v1(text[], text[], boolean[], boolean[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.ack_outcome_v1(bigint[], bigint[]) FROM PUBLIC;
+ALTER FUNCTION {schema}.message_delete_many_v1(bigint[], uuid[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
