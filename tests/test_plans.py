@@ -391,9 +391,7 @@ def _fresh_ingest(broker: lonnymq.Broker, conn: Conn, queue: str) -> Iterator[No
         "WHERE d.id = (SELECT max(x.id) FROM {}.discovery x)"
     ).format(sql.Identifier(broker.schema), sql.Identifier(broker.schema))
     conn.execute(
-        sql.SQL("SELECT {}.ingest_v1(ARRAY[%s], true, true)").format(
-            sql.Identifier(broker.schema)
-        ),
+        sql.SQL("SELECT {}.ingest_v1(ARRAY[%s], true, true)").format(sql.Identifier(broker.schema)),
         (queue,),
     )
     conn.execute(stmt, ("1 hour",))
