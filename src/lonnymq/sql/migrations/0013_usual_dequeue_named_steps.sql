@@ -8,12 +8,13 @@
 -- ingest first, no lock past its expiry, the lane whose turn it is without limits and of one
 -- priority, and the only one due or one message asked for) reads the ingest's state, the
 -- lanes due and the heads in the statement that deletes its acks, and locks them in a
--- second; the lane is written by lane_advance_v1 (one statement) when it has to be. Every
--- other call runs the steps as before. The steps that were blocks of the one body are
--- functions of their own: dequeue_wake_v1 (0), dequeue_expired_v1 (3), lane_heads_v1 (4),
--- lane_served_v1 (5), dequeue_sleep_v1 (6), tally_events_v1 (its tally over several
--- channels); the ack block is written once for the dequeue and message_delete_many_v1
--- (ack_give_back_v1, ack_outcome_v1).
+-- second, which tallies the call; its lane is written by lane_advance_v1 (one statement)
+-- when step 5 would write it. Every other call runs the steps as before. Steps that were
+-- blocks of the one body are functions of their own: dequeue_wake_v1 (0),
+-- dequeue_expired_v1 (3), lane_heads_v1 and lane_postpone_v1 (4), lane_served_v1 (5),
+-- dequeue_sleep_v1 (6), tally_events_v1 (a tally over several channels, in plpgsql: its plan
+-- kept for the session); the ack block is written once for the dequeue and
+-- message_delete_many_v1 (ack_give_back_v1, ack_outcome_v1).
 
 -- Step 0: a caller that slept (it found nothing last time, with p_listen) is awake again:
 -- the 'sleep' keys its session still holds (p_keys: lonnymq.sleeping) are released.
@@ -181,6 +182,25 @@ BEGIN
 END;
 $$;
 
+-- Step 4, a limited lane whose channel row is busy (an open transaction of a producer of a
+-- channel with a max_size, or of an ack): not served this time, and its turn a little later,
+-- so that it does not hold back the point from which the lanes are read (which would then
+-- walk every lane version written meanwhile). The caller owns the lane (its key).
+CREATE FUNCTION {schema}.lane_postpone_v1(p_lane {schema}.lane) RETURNS void
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_lane {schema}.lane := p_lane;
+BEGIN
+    v_lane.turn_at := GREATEST(v_lane.turn_at, clock_timestamp() + interval '10 milliseconds');
+    -- (a version superseded meanwhile by its previous owner is left as it is)
+    IF EXISTS (SELECT 1 FROM {schema}.lane l
+               WHERE l.queue = p_lane.queue AND l.channel = p_lane.channel
+                 AND l.id = p_lane.id) THEN
+        PERFORM {schema}.lane_put_v1(p_lane.id, v_lane);
+    END IF;
+END;
+$$;
+
 -- Step 5, for one lane the call owned: its channel's counts when it has limits (p_taken
 -- more in flight, the rate's tat), then the lane rewritten with the latest snapshot of the
 -- ingest (p_snap): positions at the first message not taken, the turn to the back (p_more:
@@ -267,7 +287,9 @@ CREATE FUNCTION {schema}.tally_events_v1(
     p_q text[], p_c text[], p_k text[], p_lock_until timestamptz, p_lock_id bigint
 )
 RETURNS void
-LANGUAGE sql AS $$
+-- (plpgsql: its plan is kept for the session, where a LANGUAGE sql body is planned at each call)
+LANGUAGE plpgsql AS $$
+BEGIN
     INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
                                 dead_held, lock_until, lock_id)
     SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
@@ -278,6 +300,7 @@ LANGUAGE sql AS $$
            CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN p_lock_id END
     FROM unnest(p_q, p_c, p_k) AS u(q, c, k)
     GROUP BY u.q, u.c;
+END;
 $$;
 
 -- The ack block of message_delete_many_v1 and of the dequeue (its acks): what the acked
@@ -457,8 +480,10 @@ DECLARE
     v_retry bigint;
     v_snap pg_snapshot;
     v_dead integer := 0;
-    -- the usual call (step 2): taken without steps 3 to 6
+    -- the usual call (step 2): taken without steps 3 to 6; its acks tallied with it
     v_fast boolean := false;
+    v_acked integer;
+    v_one boolean;
     v_usual boolean;
     i integer;
 BEGIN
@@ -570,6 +595,13 @@ BEGIN
     IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
         v_fast := true;
         v_lane := v_cands[1];
+        v_got := cardinality(v_take);
+        -- (tallied in the same statement, with the acks: on the deliveries' row when of the
+        -- lane's channel, else on a row of their own when of one channel, else below)
+        v_acked := CASE WHEN v_gq <@ ARRAY[v_lane.queue::text]
+                             AND v_gc <@ ARRAY[v_lane.channel::text]
+                        THEN cardinality(v_gone) ELSE 0 END;
+        v_one := v_acked = 0 AND v_gq <@ ARRAY[v_gq[1]] AND v_gc <@ ARRAY[v_gc[1]];
         RETURN QUERY
             WITH locked AS (
                 UPDATE {schema}.message m SET
@@ -580,17 +612,21 @@ BEGIN
                 WHERE m.id = ANY (v_take)
                 RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
                           m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+            ), tallied AS (
+                INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
+                SELECT v_lane.queue, v_lane.channel, v_got, v_acked, v_now + v_lock, v_take[1]
+                UNION ALL
+                SELECT v_gq[1], v_gc[1], 0, cardinality(v_gone), NULL, NULL WHERE v_one
             )
             SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
                    k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
                    'delivered'::text
             FROM locked k ORDER BY k.dequeue_at, k.id;
-        v_got := cardinality(v_take);
-        v_lock_until := v_now + v_lock;
-        v_lock_id := v_take[1];
-        e_q := e_q || array_fill(v_lane.queue::text, ARRAY[v_got]);
-        e_c := e_c || array_fill(v_lane.channel::text, ARRAY[v_got]);
-        e_k := e_k || array_fill('delivered'::text, ARRAY[v_got]);
+        IF v_acked > 0 OR v_one THEN
+            e_q := ARRAY[]::text[];
+            e_c := ARRAY[]::text[];
+            e_k := ARRAY[]::text[];
+        END IF;
         -- the lane, owned with its key: moved to the back, its position past what was
         -- taken, as in step 5 (unless it is the only one due, has more, and was written a
         -- moment ago), read with the latest snapshot of the ingest
@@ -674,11 +710,8 @@ BEGIN
         IF v_expired AND v_left > 0 THEN
             FOR r IN SELECT * FROM {schema}.dequeue_expired_v1(v_qn, v_qlf, v_qmax, v_left, v_now,
                                                                v_lock) AS x LOOP
-                IF r.event = 'dead' THEN
-                    v_dead := v_dead + 1;
-                ELSE
-                    v_got := v_got + 1;
-                END IF;
+                v_dead := v_dead + (r.event = 'dead')::integer;
+                v_got := v_got + (r.event = 'redelivered')::integer;
                 RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
                     r.message_priority, r.message_attempts, r.message_lock_token,
                     r.message_created_at, r.message_content, r.message_state, NULL::bigint,
@@ -743,20 +776,9 @@ BEGIN
                     FROM {schema}.channel_headroom_v2((v_cands[i]).queue, (v_cands[i]).channel,
                                                       v_now) AS h;
                     IF r.headroom IS NULL THEN
-                        -- its channel row is busy (an open transaction of a producer of a
-                        -- channel with a max_size, or of an ack): not served this time, and
-                        -- its turn a little later, so that it does not hold back the point
-                        -- from which the lanes are read (which would then walk every lane
-                        -- version written meanwhile)
+                        -- its channel row is busy: not served this time (lane_postpone_v1)
                         v_own[i] := false;
-                        v_lane := v_cands[i];
-                        v_lane.turn_at := GREATEST(v_lane.turn_at,
-                                                   clock_timestamp() + interval '10 milliseconds');
-                        IF EXISTS (SELECT 1 FROM {schema}.lane l
-                                   WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
-                                     AND l.id = v_lane.id) THEN
-                            PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
-                        END IF;
+                        PERFORM {schema}.lane_postpone_v1(v_cands[i]);
                     ELSE
                         v_room[i] := r.room;
                         v_cap[i] := LEAST(r.headroom, v_left);
@@ -1024,9 +1046,10 @@ $$;
 
 -- (CREATE OR REPLACE keeps the owner and the grants; the attributes are the statement's)
 REVOKE ALL ON FUNCTION {schema}.dequeue_wake_v1(text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION {schema}.lane_advance_v1({schema}.lane, timestamptz) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.dequeue_expired_v1(text[], timestamptz[], integer[], integer, timestamptz, interval) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lane_heads_v1({schema}.lane[], integer[], integer[], pg_snapshot, timestamptz) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.lane_advance_v1({schema}.lane, timestamptz) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.lane_postpone_v1({schema}.lane) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lane_served_v1({schema}.lane, pg_snapshot, timestamptz, timestamptz, integer, boolean, boolean, integer, integer, interval, timestamptz, integer, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.dequeue_sleep_v1(text[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.tally_events_v1(text[], text[], text[], timestamptz, bigint) FROM PUBLIC;
