@@ -789,8 +789,9 @@ def test_everything_works_with_an_empty_search_path(
         ("DROP FUNCTION {s}.message_create_sized_v1", "create new"),
         ("DROP TABLE {s}.message CASCADE", "create"),
         ("DROP FUNCTION {s}.message_dequeue_v3", "dequeue"),
-        # called by message_dequeue_v3 for a lane it took the last messages of
-        ("DROP FUNCTION {s}.lane_next_v1", "dequeue behind a delayed message"),
+        # called by message_dequeue_v3 for the lanes it served, when the call is not the
+        # usual one (here: a lane of two priorities)
+        ("DROP FUNCTION {s}.lanes_served_v1", "dequeue behind a delayed message"),
         ("DROP FUNCTION {s}.message_delete_v1", "delete"),
     ],
 )

@@ -232,65 +232,132 @@ BEGIN
 END;
 $$;
 
--- Step 5, for one lane the call owned: its channel's counts when it has limits (p_taken
--- more in flight, the rate's tat), then the lane rewritten with the latest snapshot of the
--- ingest (p_snap): positions at the first message not taken, the turn to the back (p_more:
--- it has more due), at its next due message, at its next token (a rated lane that spent
--- them), or none (nothing left, or at its max_concurrency). p_lone: the only lane of the
--- call, and the only one due; then one without limits that has more, written a moment ago,
--- is not written (its positions lag by what was taken since; the next write catches up).
-CREATE FUNCTION {schema}.lane_served_v1(
-    p_lane {schema}.lane, p_snap pg_snapshot, p_now timestamptz, p_served timestamptz,
-    p_taken integer, p_more boolean, p_lone boolean, p_max integer, p_room integer,
-    p_rate interval, p_tat timestamptz, p_tokens integer, p_burst integer
+-- Step 5: the lanes the call owned (p_own; p_n lanes of p_cands were served): for each, its
+-- channel's counts when it has limits (p_taken more in flight, the rate's tat), then the lane
+-- rewritten with the latest snapshot of the ingest (read here: after the lanes' keys were
+-- taken, so an ingest that looked at a lane and left it as it was did so before): positions
+-- at the first message not taken, the turn to the back (p_more: it has more due), at its next
+-- due message, at its next token (a rated lane that spent them), or none (nothing left, or
+-- at its max_concurrency). A lone lane (the only one due, and of the call) without limits
+-- that has more, written a moment ago, is not written (its positions lag by what was taken
+-- since; the next write catches up). The lanes without limits are written in one statement.
+CREATE FUNCTION {schema}.lanes_served_v1(
+    p_cands {schema}.lane[], p_n integer, p_own boolean[], p_taken integer[],
+    p_more boolean[], p_max integer[], p_room integer[], p_rate interval[],
+    p_tat timestamptz[], p_tokens integer[], p_burst integer[], p_now timestamptz
 )
 RETURNS void
-LANGUAGE plpgsql SET enable_seqscan = off AS $$
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off AS $$
 DECLARE
-    v_lane {schema}.lane := p_lane;
+    v_served timestamptz := clock_timestamp();
+    v_snap pg_snapshot;
+    v_lane {schema}.lane;
     v_wait timestamptz;
     v_next record;
+    i integer;
 BEGIN
-    IF (p_max IS NOT NULL OR p_rate IS NOT NULL) AND p_taken > 0 THEN
-        UPDATE {schema}.channel c SET
-            current_concurrency = c.current_concurrency
-                + CASE WHEN p_max IS NOT NULL THEN p_taken ELSE 0 END,
-            rate_tat = CASE WHEN p_rate IS NOT NULL THEN p_tat + p_taken * p_rate
-                            ELSE c.rate_tat END,
-            rate_interval = coalesce(p_rate, c.rate_interval)
-        WHERE c.queue = p_lane.queue AND c.name = p_lane.channel;
-    END IF;
-    -- a rated lane that spent its tokens: its turn not before the next one
-    v_wait := CASE WHEN p_rate IS NOT NULL AND p_tokens - p_taken <= 0
-        THEN p_tat + (p_taken - p_burst + 1) * p_rate END;
-    IF p_lone AND p_more AND NOT p_lane.limited AND p_lane.served_at > '-infinity'
-       AND p_lane.written_at > p_now - interval '5 milliseconds' THEN
-        RETURN;
-    END IF;
-    -- (what this call took is locked now; what another running dequeue holds still counts)
-    SELECT * INTO v_next FROM {schema}.lane_next_v1(p_lane, p_snap);
-    v_lane.prios := v_next.prios;
-    v_lane.pos_at := v_next.pos_at;
-    v_lane.pos_id := v_next.pos_id;
-    v_lane.limited := p_max IS NOT NULL OR p_rate IS NOT NULL;
-    v_lane.not_before := v_wait;
-    IF p_taken > 0 THEN
-        v_lane.served_at := p_served;
-    END IF;
-    IF p_max IS NOT NULL AND p_room - p_taken <= 0 THEN
-        v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
-    ELSIF p_more THEN
-        v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at, v_wait);
-    ELSE
-        v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
-            THEN GREATEST(v_next.next_at, v_lane.served_at, p_lane.turn_at, v_wait) END;
-    END IF;
-    -- (a version superseded meanwhile by its previous owner is left as it is)
-    IF EXISTS (SELECT 1 FROM {schema}.lane l
-               WHERE l.queue = p_lane.queue AND l.channel = p_lane.channel
-                 AND l.id = p_lane.id) THEN
-        PERFORM {schema}.lane_put_v1(p_lane.id, v_lane);
-    END IF;
+    SELECT d.snap INTO v_snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+    -- the lanes without limits, all in one statement: per lane and priority its next message
+    -- (as lane_next_v1), then each version replaced by compare and swap (as lane_put_v1)
+    WITH own AS MATERIALIZED (
+        SELECT u.i, p_cands[u.i] AS l, p_more[u.i] AS more, p_taken[u.i] AS taken
+        FROM generate_series(1, p_n) AS u(i)
+        WHERE p_own[u.i] AND p_max[u.i] IS NULL AND p_rate[u.i] IS NULL
+          AND NOT (p_n = 1 AND cardinality(p_cands) = 1 AND p_more[u.i]
+                   AND NOT (p_cands[u.i]).limited AND (p_cands[u.i]).served_at > '-infinity'
+                   AND (p_cands[u.i]).written_at > p_now - interval '5 milliseconds')
+    ), next AS (
+        SELECT o.i, min(n.dequeue_at) AS next_at,
+               coalesce(array_agg(p.prio ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL),
+                        '{{}}') AS prios,
+               coalesce(array_agg(n.dequeue_at ORDER BY p.prio DESC)
+                            FILTER (WHERE n.id IS NOT NULL), '{{}}') AS pos_at,
+               coalesce(array_agg(n.id ORDER BY p.prio DESC) FILTER (WHERE n.id IS NOT NULL),
+                        '{{}}') AS pos_id
+        FROM own o
+        CROSS JOIN LATERAL unnest((o.l).prios, (o.l).pos_at, (o.l).pos_id) AS p(prio, at, pid)
+        LEFT JOIN LATERAL (
+            SELECT m.dequeue_at, m.id FROM {schema}.message m
+            WHERE m.queue = (o.l).queue AND m.channel = (o.l).channel AND m.locked_until IS NULL
+              AND m.priority = p.prio AND (m.dequeue_at, m.id) >= (p.at, p.pid)
+              AND pg_visible_in_snapshot(m.txid, v_snap)
+            ORDER BY m.priority DESC, m.dequeue_at, m.id
+            LIMIT 1
+        ) AS n ON true
+        GROUP BY o.i
+    ), gone AS (
+        -- (each version locked through its whole key, one probe per lane, then deleted by
+        -- its row address: a join of the lanes with the table read lane_latest_idx whole,
+        -- every dead version a held snapshot keeps)
+        DELETE FROM {schema}.lane x
+        WHERE x.ctid = ANY (ARRAY(
+            SELECT y.ctid FROM own o
+            CROSS JOIN LATERAL (
+                SELECT y.ctid FROM {schema}.lane y
+                WHERE y.queue = (o.l).queue AND y.channel = (o.l).channel AND y.id = (o.l).id
+                FOR UPDATE SKIP LOCKED
+            ) AS y))
+        RETURNING x.queue, x.channel
+    )
+    INSERT INTO {schema}.lane (queue, channel, turn_at, served_at, limited, prios, pos_at, pos_id,
+                               not_before)
+    SELECT (o.l).queue, (o.l).channel,
+           CASE WHEN o.more THEN GREATEST(w.served_at, (o.l).turn_at)
+                WHEN n.next_at IS NOT NULL
+                    THEN GREATEST(n.next_at, w.served_at, (o.l).turn_at) END,
+           w.served_at, false, coalesce(n.prios, '{{}}'), coalesce(n.pos_at, '{{}}'),
+           coalesce(n.pos_id, '{{}}'), NULL
+    -- (a lane of no priority has no row in next)
+    FROM gone g JOIN own o ON (o.l).queue = g.queue AND (o.l).channel = g.channel
+    LEFT JOIN next n ON n.i = o.i
+    CROSS JOIN LATERAL (
+        SELECT CASE WHEN o.taken > 0 THEN v_served + o.i * interval '1 microsecond'
+                    ELSE (o.l).served_at END AS served_at) AS w
+    ORDER BY o.i;
+    -- the lanes with limits, one by one
+    FOR i IN 1 .. p_n LOOP
+        CONTINUE WHEN NOT p_own[i] OR (p_max[i] IS NULL AND p_rate[i] IS NULL);
+        v_lane := p_cands[i];
+        IF (p_max[i] IS NOT NULL OR p_rate[i] IS NOT NULL) AND p_taken[i] > 0 THEN
+            UPDATE {schema}.channel c SET
+                current_concurrency = c.current_concurrency
+                    + CASE WHEN p_max[i] IS NOT NULL THEN p_taken[i] ELSE 0 END,
+                rate_tat = CASE WHEN p_rate[i] IS NOT NULL THEN p_tat[i] + p_taken[i] * p_rate[i]
+                                ELSE c.rate_tat END,
+                rate_interval = coalesce(p_rate[i], c.rate_interval)
+            WHERE c.queue = v_lane.queue AND c.name = v_lane.channel;
+        END IF;
+        -- a rated lane that spent its tokens: its turn not before the next one
+        v_wait := CASE WHEN p_rate[i] IS NOT NULL AND p_tokens[i] - p_taken[i] <= 0
+            THEN p_tat[i] + (p_taken[i] - p_burst[i] + 1) * p_rate[i] END;
+        CONTINUE WHEN p_n = 1 AND cardinality(p_cands) = 1 AND p_more[i] AND NOT v_lane.limited
+            AND v_lane.served_at > '-infinity'
+            AND v_lane.written_at > p_now - interval '5 milliseconds';
+        -- (what this call took is locked now; what another running dequeue holds still counts)
+        SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
+        v_lane.prios := v_next.prios;
+        v_lane.pos_at := v_next.pos_at;
+        v_lane.pos_id := v_next.pos_id;
+        v_lane.limited := p_max[i] IS NOT NULL OR p_rate[i] IS NOT NULL;
+        v_lane.not_before := v_wait;
+        IF p_taken[i] > 0 THEN
+            v_lane.served_at := v_served + i * interval '1 microsecond';
+        END IF;
+        IF p_max[i] IS NOT NULL AND p_room[i] - p_taken[i] <= 0 THEN
+            v_lane.turn_at := NULL;  -- at its max_concurrency: no turn until a slot frees
+        ELSIF p_more[i] THEN
+            v_lane.turn_at := GREATEST(v_lane.served_at, v_lane.turn_at, v_wait);
+        ELSE
+            v_lane.turn_at := CASE WHEN v_next.next_at IS NOT NULL
+                THEN GREATEST(v_next.next_at, v_lane.served_at, (p_cands[i]).turn_at, v_wait) END;
+        END IF;
+        -- (a version superseded meanwhile by its previous owner is left as it is)
+        IF EXISTS (SELECT 1 FROM {schema}.lane l
+                   WHERE l.queue = v_lane.queue AND l.channel = v_lane.channel
+                     AND l.id = (p_cands[i]).id) THEN
+            PERFORM {schema}.lane_put_v1((p_cands[i]).id, v_lane);
+        END IF;
+    END LOOP;
 END;
 $$;
 
@@ -433,7 +500,6 @@ DECLARE
     v_take bigint[];
     v_slotted bigint[];
     v_locked bigint[];
-    v_served timestamptz;
     v_lane {schema}.lane;
     v_retry bigint;
     v_snap pg_snapshot;
@@ -937,18 +1003,9 @@ BEGIN
             END LOOP;
 
             -- 5. the owned lanes: positions past what they took, the turn to the back (or at
-            --    the next due message, or none). Positions are read with the latest snapshot of
-            --    the ingest: one that looked at a lane and left it as it was (its positions
-            --    covered what it found) did so before this call took the lane's key.
-            v_served := clock_timestamp();
-            SELECT d.snap INTO v_snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
-            FOR i IN 1 .. v_n LOOP
-                CONTINUE WHEN NOT v_own[i];
-                PERFORM {schema}.lane_served_v1(v_cands[i], v_snap, v_now,
-                    v_served + i * interval '1 microsecond', v_taken[i], v_more[i],
-                    v_n = 1 AND cardinality(v_cands) = 1, v_max[i], v_room[i], v_rt[i], v_tat[i],
-                    v_tok[i], v_burst[i]);
-            END LOOP;
+            --    the next due message, or none)
+            PERFORM {schema}.lanes_served_v1(v_cands, v_n, v_own, v_taken, v_more, v_max,
+                                             v_room, v_rt, v_tat, v_tok, v_burst, v_now);
         END IF;
         EXIT WHEN v_got > 0;
 
