@@ -962,7 +962,9 @@ BEGIN
                         e_k := e_k || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
                     END IF;
                 ELSE
-                FOR r IN
+                -- (several lanes: in rank order, then lane order; what each gave, in one
+                -- statement each, not row by row)
+                RETURN QUERY
                     WITH locked AS (
                         UPDATE {schema}.message m SET
                             locked_until = v_now + v_lock,
@@ -974,34 +976,27 @@ BEGIN
                         RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
                                   m.lock_token, m.created_at, m.content, m.state
                     )
-                    SELECT l.*, t.l AS lane, v_taken[t.l] + t.rn AS rnk
+                    SELECT l.id, l.queue::text, l.channel::text, l.name, l.priority, l.attempts,
+                           l.lock_token, l.created_at, l.content, l.state, NULL::bigint,
+                           'delivered'::text
                     FROM locked l
                     JOIN unnest(h_id, h_lane, h_rn) AS t(id, l, rn) ON t.id = l.id
-                    ORDER BY rnk, lane
-                LOOP
-                    v_locked := v_locked || r.id;
-                    message_id := r.id;
-                    queue_name := r.queue;
-                    channel_name := r.channel;
-                    message_name := r.name;
-                    message_priority := r.priority;
-                    message_attempts := r.attempts;
-                    message_lock_token := r.lock_token;
-                    message_created_at := r.created_at;
-                    message_content := r.content;
-                    message_state := r.state;
-                    retry_ms := NULL;
-                    event := 'delivered';
-                    RETURN NEXT;
-                END LOOP;
-                FOR i IN 1 .. cardinality(h_id) LOOP
-                    IF h_id[i] = ANY (v_locked) THEN
-                        v_taken[h_lane[i]] := v_taken[h_lane[i]] + 1;
-                        e_q := e_q || (v_cands[h_lane[i]]).queue;
-                        e_c := e_c || (v_cands[h_lane[i]]).channel;
-                        e_k := e_k || 'delivered'::text;
-                    END IF;
-                END LOOP;
+                    ORDER BY v_taken[t.l] + t.rn, t.l;
+                GET DIAGNOSTICS v_rows = ROW_COUNT;
+                v_locked := CASE WHEN v_rows = cardinality(v_take) THEN v_take
+                    ELSE ARRAY(SELECT m.id FROM {schema}.message m
+                               WHERE m.id = ANY (v_take) AND m.lock_token IS NOT NULL) END;
+                SELECT array_agg(v_taken[g.i] + coalesce(c.n, 0) ORDER BY g.i) INTO v_taken
+                FROM generate_series(1, v_n) AS g(i)
+                LEFT JOIN (SELECT t.l, count(*)::integer AS n FROM unnest(h_id, h_lane) AS t(id, l)
+                           WHERE t.id = ANY (v_locked) GROUP BY t.l) AS c ON c.l = g.i;
+                e_q := e_q || ARRAY(SELECT (v_cands[t.l]).queue::text
+                                    FROM unnest(h_id, h_lane) AS t(id, l)
+                                    WHERE t.id = ANY (v_locked));
+                e_c := e_c || ARRAY(SELECT (v_cands[t.l]).channel::text
+                                    FROM unnest(h_id, h_lane) AS t(id, l)
+                                    WHERE t.id = ANY (v_locked));
+                e_k := e_k || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
                 END IF;
                 v_got := v_got + cardinality(v_locked);
                 v_left := p_limit - v_got;
