@@ -405,6 +405,38 @@ def test_waiting_dequeue_does_not_deadlock_with_batch(
     assert sorted(m.content for m in rest) == [b"a2", b"a3", b"b0", b"b2"]
 
 
+def test_a_dequeue_passes_lanes_whose_heads_another_call_holds(
+    broker: lonnymq.Broker, connect: Connect
+) -> None:
+    """Lanes a, b, c and d hold one message each, in that turn order. A consumer's dequeue
+    takes a's and b's and stays open (its lanes not written yet); other consumers' dequeues
+    find those heads held and take c's, then d's, instead of answering "nothing" while a
+    message waits (for one message, the usual call, and for two); one more, with nothing
+    left that is not held, answers "nothing"."""
+    queue = broker.queue("default")
+    conn = connect()
+    for name in ("a", "b", "c", "d"):
+        queue.channel(name).message.create(conn, name.encode())
+    # (ingested, and committed: the lanes are not those of the open transaction's ingest)
+    conn.execute(
+        sql.SQL("SELECT {}.ingest_v1(ARRAY['default'], true, false)").format(
+            sql.Identifier(broker.schema)
+        )
+    )
+    first = connect(autocommit=False)
+    taken = queue.dequeue(first, limit=2, lock_ms=LOCK_MS, listen=False).messages
+    assert [m.channel for m in taken] == ["a", "b"]
+    try:
+        for limit, expected in ((1, b"c"), (2, b"d")):
+            start = time.monotonic()
+            got = queue.dequeue(connect(), limit=limit, lock_ms=LOCK_MS, listen=False)
+            assert time.monotonic() - start < 2.0
+            assert [m.content for m in got.messages] == [expected], limit
+        assert not queue.dequeue(connect(), limit=1, lock_ms=LOCK_MS, listen=False).messages
+    finally:
+        first.rollback()
+
+
 # --------------------------------------------------------------------------------------------
 # 2. Exactly once with many consumers and producers, exact counters
 

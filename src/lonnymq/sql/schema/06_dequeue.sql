@@ -106,6 +106,57 @@ BEGIN
 END;
 $$;
 
+-- Steps 2 to 4: the queues of a call (those that exist, in name order), their max_attempts,
+-- their positions (from the ingest's state p_d) and whether a lock is past its expiry (at
+-- p_now). (Every statement's plan is set up again in each transaction, aggregates and sorts
+-- most of all: one queue, the usual case, takes a statement without.)
+CREATE FUNCTION {schema}.dequeue_queues_v1(
+    p_queues text[], p_d {schema}.discovery, p_now timestamptz, OUT names text[],
+    OUT max_attempts integer[], OUT turn_from timestamptz[], OUT lock_from timestamptz[],
+    OUT expired boolean
+)
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_i integer;
+BEGIN
+    IF cardinality(p_queues) = 1 THEN
+        v_i := array_position(p_d.queues, p_queues[1]);
+        SELECT ARRAY[q.name::text], ARRAY[coalesce(q.max_attempts, 2147483647)],
+               ARRAY[coalesce(p_d.turn_from[v_i], '-infinity')],
+               ARRAY[coalesce(p_d.lock_from[v_i], '-infinity')],
+               -- (the first one in lock order, from the queue's lock position: an EXISTS
+               -- loses the order, and was planned as a read of the whole locked index)
+               (SELECT e.locked_until FROM {schema}.message e
+                WHERE e.queue = p_queues[1]
+                  AND e.locked_until >= coalesce(p_d.lock_from[v_i], '-infinity')
+                  AND e.locked_until <= p_now
+                ORDER BY e.queue, e.locked_until LIMIT 1) IS NOT NULL
+        INTO names, max_attempts, turn_from, lock_from, expired
+        FROM {schema}.queue q WHERE q.name = p_queues[1];
+    ELSE
+        SELECT array_agg(q.name ORDER BY q.name),
+               array_agg(coalesce(q.max_attempts, 2147483647) ORDER BY q.name),
+               array_agg(coalesce(p_d.turn_from[array_position(p_d.queues, q.name)],
+                                  '-infinity') ORDER BY q.name),
+               array_agg(coalesce(p_d.lock_from[array_position(p_d.queues, q.name)],
+                                  '-infinity') ORDER BY q.name),
+               coalesce(bool_or(x.found), false)
+        INTO names, max_attempts, turn_from, lock_from, expired
+        FROM {schema}.queue q
+        LEFT JOIN LATERAL (
+            SELECT true AS found FROM {schema}.message e
+            WHERE e.queue = q.name
+              AND e.locked_until >= coalesce(p_d.lock_from[array_position(p_d.queues, q.name)],
+                                             '-infinity')
+              AND e.locked_until <= p_now
+            ORDER BY e.locked_until LIMIT 1
+        ) AS x ON true
+        WHERE q.name = ANY (p_queues);
+    END IF;
+END;
+$$;
+
 -- Step 3: messages of p_queues whose lock expired (from each queue's lock position
 -- p_lock_from), at most p_limit: they still count against their channel's concurrency and
 -- are taken over (event 'redelivered') without touching any lane; one delivered
@@ -448,7 +499,6 @@ DECLARE
     v_ingested boolean := false;
     v_slept boolean := false;
     v_waited boolean := false;
-    v_qi integer;
     v_rows integer;
     v_busy boolean := false;
     v_got integer := 0;
@@ -507,6 +557,9 @@ DECLARE
     -- the usual call (step 2): taken without steps 3 to 6; its acks tallied with it
     v_fast boolean := false;
     v_acked integer;
+    v_after_at timestamptz := '-infinity';
+    v_after_id bigint := 0;
+    v_passed integer := 0;
     v_one boolean;
     v_usual boolean;
     i integer;
@@ -568,12 +621,15 @@ BEGIN
                                AND d.taken_at < v_now - interval '5 milliseconds')
                       AND NOT (x.lanes[1]).limited AND cardinality((x.lanes[1]).prios) = 1
                       AND (p_limit = 1 OR cardinality(x.lanes) = 1)
-                      AND NOT EXISTS (
-                          SELECT 1 FROM {schema}.message e
-                          WHERE e.queue = p_queues[1]
-                            AND e.locked_until >= coalesce(
-                                d.lock_from[array_position(d.queues, p_queues[1])], '-infinity')
-                            AND e.locked_until <= v_now)
+                      -- (the first one in lock order, from the queue's lock position: an
+                      -- EXISTS loses the order, and was planned as a read of the whole
+                      -- locked index)
+                      AND (SELECT e.locked_until FROM {schema}.message e
+                           WHERE e.queue = p_queues[1]
+                             AND e.locked_until >= coalesce(
+                                 d.lock_from[array_position(d.queues, p_queues[1])], '-infinity')
+                             AND e.locked_until <= v_now
+                           ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
                       AND m.queue = p_queues[1] AND m.channel = (x.lanes[1]).channel
                       AND m.locked_until IS NULL AND m.priority = ((x.lanes[1]).prios)[1]
                       AND (m.dequeue_at, m.id) >= (((x.lanes[1]).pos_at)[1],
@@ -646,11 +702,8 @@ BEGIN
                    k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
                    'delivered'::text
             FROM locked k ORDER BY k.dequeue_at, k.id;
-        IF v_acked > 0 OR v_one THEN
-            e_q := ARRAY[]::text[];
-            e_c := ARRAY[]::text[];
-            e_k := ARRAY[]::text[];
-        END IF;
+        -- (the acks are tallied: nothing is left for the tally below, which reads e_q first)
+        e_q := CASE WHEN v_acked > 0 OR v_one THEN ARRAY[]::text[] ELSE e_q END;
         -- the lane, owned with its key: moved to the back, its position past what was
         -- taken, as in step 5 (unless it is the only one due, has more, and was written a
         -- moment ago), read with the latest snapshot of the ingest
@@ -692,42 +745,9 @@ BEGIN
         END IF;
 
         -- the queues, their settings and positions; is there a lock past its expiry?
-        -- (Every statement's plan is set up again in each transaction, aggregates and sorts
-        -- most of all: the usual cases, one queue and one lane, take statements without.)
-        IF cardinality(p_queues) = 1 THEN
-            v_qi := array_position(v_d.queues, p_queues[1]);
-            SELECT ARRAY[q.name::text], ARRAY[coalesce(q.max_attempts, 2147483647)],
-                   ARRAY[coalesce(v_d.turn_from[v_qi], '-infinity')],
-                   ARRAY[coalesce(v_d.lock_from[v_qi], '-infinity')],
-                   -- (the first one in lock order, from the queue's lock position: an EXISTS
-                   -- loses the order, and was planned as a read of the whole locked index)
-                   (SELECT e.locked_until FROM {schema}.message e
-                    WHERE e.queue = p_queues[1]
-                      AND e.locked_until >= coalesce(v_d.lock_from[v_qi], '-infinity')
-                      AND e.locked_until <= v_now
-                    ORDER BY e.queue, e.locked_until LIMIT 1) IS NOT NULL
-            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
-            FROM {schema}.queue q WHERE q.name = p_queues[1];
-        ELSE
-            SELECT array_agg(q.name ORDER BY q.name),
-                   array_agg(coalesce(q.max_attempts, 2147483647) ORDER BY q.name),
-                   array_agg(coalesce(v_d.turn_from[array_position(v_d.queues, q.name)],
-                                      '-infinity') ORDER BY q.name),
-                   array_agg(coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
-                                      '-infinity') ORDER BY q.name),
-                   coalesce(bool_or(x.found), false)
-            INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
-            FROM {schema}.queue q
-            LEFT JOIN LATERAL (
-                SELECT true AS found FROM {schema}.message e
-                WHERE e.queue = q.name
-                  AND e.locked_until >= coalesce(v_d.lock_from[array_position(v_d.queues, q.name)],
-                                                 '-infinity')
-                  AND e.locked_until <= v_now
-                ORDER BY e.locked_until LIMIT 1
-            ) AS x ON true
-            WHERE q.name = ANY (p_queues);
-        END IF;
+        SELECT x.names, x.max_attempts, x.turn_from, x.lock_from, x.expired
+        INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
+        FROM {schema}.dequeue_queues_v1(p_queues, v_d, v_now) AS x;
         v_left := p_limit - v_got;
 
         -- 3. messages whose lock expired: taken over first (or dead-lettered)
@@ -758,6 +778,7 @@ BEGIN
                     SELECT l FROM {schema}.lane l
                     WHERE l.queue = v_qn[1] AND l.turn_at >= v_qtf[1]
                       AND l.turn_at <= v_now + interval '1 millisecond'
+                      AND (l.turn_at, l.id) > (v_after_at, v_after_id)
                     ORDER BY l.turn_at, l.id LIMIT v_left + 1),
                     (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
                 INTO v_cands, v_snap;
@@ -768,6 +789,7 @@ BEGIN
                         SELECT l FROM {schema}.lane l
                         WHERE l.queue = u.q AND l.turn_at >= u.tf
                           AND l.turn_at <= v_now + interval '1 millisecond'
+                          AND (l.turn_at, l.id) > (v_after_at, v_after_id)
                         ORDER BY l.turn_at, l.id LIMIT v_left + 1
                     ) AS x
                     ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
@@ -1001,6 +1023,14 @@ BEGIN
             --    the next due message, or none)
             PERFORM {schema}.lanes_served_v1(v_cands, v_n, v_own, v_taken, v_more, v_max,
                                              v_room, v_rt, v_tat, v_tok, v_burst, v_now);
+            -- (nothing from these lanes, their heads held by other calls, say: the next look
+            -- starts after them (v_after_*), at once when another lane is due, up to 8 times)
+            IF v_got = 0 THEN
+                v_after_at := (v_cands[v_n]).turn_at;
+                v_after_id := (v_cands[v_n]).id;
+                v_passed := v_passed + 1;
+                CONTINUE WHEN cardinality(v_cands) > v_n AND v_passed <= 8;
+            END IF;
         END IF;
         EXIT WHEN v_got > 0;
 
