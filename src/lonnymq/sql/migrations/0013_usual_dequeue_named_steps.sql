@@ -612,11 +612,11 @@ BEGIN
         PERFORM {schema}.dequeue_wake_v1(v_keys);
     END IF;
 
-    -- 1. acks; for the usual call (2), in the same statement as its read: the ingest's state,
-    --    the lanes whose turn it is and the first one's heads
+    -- 1. acks, in the same statement as the usual call's read (2): the ingest's state, the
+    --    lanes whose turn it is and, when the call is the usual one, the first one's heads
     v_usual := cardinality(p_queues) = 1 AND p_limit > 0
         AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
-    IF v_usual THEN
+    IF v_usual OR coalesce(cardinality(p_ack_ids), 0) > 0 THEN
         v_now := clock_timestamp();
         WITH gone AS (
             DELETE FROM {schema}.message m
@@ -656,7 +656,7 @@ BEGIN
                                      OR m.attempts >= coalesce(q.max_attempts, 2147483647)
                                 THEN -m.id ELSE m.id END
                     FROM {schema}.message m
-                    WHERE d.taken_at >= v_now - interval '10 milliseconds'
+                    WHERE v_usual AND d.taken_at >= v_now - interval '10 milliseconds'
                       AND d.folded_at >= v_now - interval '1 second'
                       AND p_queues[1] = ANY (d.queues)
                       AND NOT (cardinality(d.pend_queue) > 0
@@ -682,16 +682,6 @@ BEGIN
                     LIMIT p_limit + 1
                     FOR UPDATE SKIP LOCKED) AS heads) AS h
         ) AS s ON true;
-    ELSIF coalesce(cardinality(p_ack_ids), 0) > 0 THEN
-        WITH gone AS (
-            DELETE FROM {schema}.message m
-            WHERE m.id = ANY (p_ack_ids)
-              AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
-            RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
-        )
-        SELECT array_agg(g.id), array_agg(g.queue), array_agg(g.channel), array_agg(g.sized),
-               array_agg(g.slotted)
-        INTO v_gone, v_gq, v_gc, v_gs, v_gl FROM gone g;
     END IF;
     IF v_gone IS NOT NULL THEN
         e_q := v_gq;
