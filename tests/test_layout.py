@@ -43,7 +43,7 @@ SQL_CALL = re.compile(r"\{schema\}\.(\w+)\s*\(")
 #: (or leave the list once under the limit), so the list only ever shrinks.
 SQL_OVER_LIMIT: dict[str, tuple[int, str]] = {
     "message_dequeue_v3": (
-        603,
+        572,
         "steps 0, 3, 5 and 6 are functions of their own; steps 2 and 4 and the usual call are"
         " still blocks of the one body (issue 'The usual dequeue')",
     ),

@@ -258,7 +258,7 @@ EXPECTED_STATEMENTS = {
     "message_dequeue_v3 (the usual call)": "LIMIT p_limit + 1 FOR UPDATE SKIP LOCKED",
     "dequeue_expired_v1": "e.locked_until >= u.lf AND e.locked_until <= p_now",
     "dequeue_expired_v1 (relock)": "WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)",
-    "message_dequeue_v3 (lanes whose turn it is)": "l.turn_at >= u.tf AND l.turn_at <= v_now",
+    "message_dequeue_v3 (lanes whose turn it is)": "THEN v_after_id ELSE 0 END)",
     "lane_heads_v1": "LIMIT u.quota + 1 FOR UPDATE SKIP LOCKED",
     "message_dequeue_v3 (lock the taken messages)": "WHERE m.id = ANY (v_take)",
     "message_dequeue_v3 (acks)": "m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]",

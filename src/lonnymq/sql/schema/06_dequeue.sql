@@ -225,6 +225,52 @@ BEGIN
 END;
 $$;
 
+-- Step 4, the lanes of a call (the first p_n of p_cands): each is owned when the call gets
+-- its key; one without limits may give up to p_left (owned or not), one with limits only to
+-- its owner, within its channel's headroom (channel_headroom_v2; a busy channel row: not
+-- served this time, lane_postpone_v1). Per lane: owned, what it may give (cap), the slots
+-- left (room), its max_concurrency, and for a rated one its emission interval, burst, tat
+-- and tokens (NULL arrays when no lane is rated).
+CREATE FUNCTION {schema}.lanes_claim_v1(
+    p_cands {schema}.lane[], p_n integer, p_left integer, p_now timestamptz,
+    OUT own boolean[], OUT cap integer[], OUT room integer[], OUT max_concurrency integer[],
+    OUT rate interval[], OUT burst integer[], OUT tat timestamptz[], OUT tokens integer[]
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+    i integer;
+BEGIN
+    own := array_fill(false, ARRAY[p_n]);
+    cap := array_fill(0, ARRAY[p_n]);
+    room := array_fill(NULL::integer, ARRAY[p_n]);
+    max_concurrency := array_fill(NULL::integer, ARRAY[p_n]);
+    FOR i IN 1 .. p_n LOOP
+        own[i] := pg_try_advisory_xact_lock(
+            {schema}.lane_key_v1((p_cands[i]).queue, (p_cands[i]).channel));
+        IF NOT (p_cands[i]).limited THEN
+            cap[i] := p_left;
+        ELSIF own[i] THEN
+            SELECT h.* INTO r
+            FROM {schema}.channel_headroom_v2((p_cands[i]).queue, (p_cands[i]).channel,
+                                              p_now) AS h;
+            IF r.headroom IS NULL THEN
+                own[i] := false;
+                PERFORM {schema}.lane_postpone_v1(p_cands[i]);
+            ELSE
+                room[i] := r.room;
+                cap[i] := LEAST(r.headroom, p_left);
+                max_concurrency[i] := r.max_concurrency;
+                rate[i] := r.rate_interval;
+                burst[i] := r.burst;
+                tat[i] := r.tat;
+                tokens[i] := r.tokens;
+            END IF;
+        END IF;
+    END LOOP;
+END;
+$$;
+
 -- Step 4, a pass over several lanes: each lane's heads (p_lanes: positions in p_cands, with
 -- their quota) from its positions: due (p_now), ingested (p_snap), not held by anyone, one
 -- more than its quota (has it more?); in rank order within the lane (priority, then due
@@ -557,7 +603,7 @@ DECLARE
     -- the usual call (step 2): taken without steps 3 to 6; its acks tallied with it
     v_fast boolean := false;
     v_acked integer;
-    v_after_at timestamptz := '-infinity';
+    v_after_at timestamptz;
     v_after_id bigint := 0;
     v_passed integer := 0;
     v_one boolean;
@@ -658,9 +704,8 @@ BEGIN
             FROM {schema}.ack_outcome_v1(p_ack_ids, v_gone) AS o WHERE o.result_code <> 'ok';
     END IF;
 
-    -- 2. the usual call: what its read found is locked and returned (no other statement
-    --    reads, unless the lane is to be written: as in step 5). Otherwise steps 2 to 6 run
-    --    (v_fast stays false); the heads its read locked, if any, are this transaction's own.
+    -- 2. the usual call, served: its heads locked and returned, and the call tallied, in one
+    --    statement. Otherwise steps 2 to 6 run; the heads the read locked, if any, are its own.
     v_take := h_id[1:p_limit];
     IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
         v_fast := true;
@@ -692,8 +737,7 @@ BEGIN
                    k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
                    'delivered'::text
             FROM locked k ORDER BY k.dequeue_at, k.id;
-        -- (the acks are tallied: nothing is left for the tally below, which reads e_q first)
-        e_q := CASE WHEN v_acked > 0 OR v_one THEN ARRAY[]::text[] ELSE e_q END;
+        e_q := CASE WHEN v_acked > 0 OR v_one THEN ARRAY[]::text[] ELSE e_q END;  -- (tallied)
         -- the lane, owned with its key: moved to the back, its position past what was
         -- taken, as in step 5 (unless it is the only one due, has more, and was written a
         -- moment ago), read with the latest snapshot of the ingest
@@ -766,9 +810,9 @@ BEGIN
             IF cardinality(v_qn) = 1 THEN
                 SELECT ARRAY(
                     SELECT l FROM {schema}.lane l
-                    WHERE l.queue = v_qn[1] AND l.turn_at >= v_qtf[1]
+                    WHERE l.queue = v_qn[1]
+                      AND (l.turn_at, l.id) > (coalesce(v_after_at, v_qtf[1]), v_after_id)
                       AND l.turn_at <= v_now + interval '1 millisecond'
-                      AND (l.turn_at, l.id) > (v_after_at, v_after_id)
                     ORDER BY l.turn_at, l.id LIMIT v_left + 1),
                     (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
                 INTO v_cands, v_snap;
@@ -777,9 +821,10 @@ BEGIN
                     SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
                     CROSS JOIN LATERAL (
                         SELECT l FROM {schema}.lane l
-                        WHERE l.queue = u.q AND l.turn_at >= u.tf
+                        WHERE l.queue = u.q
+                          AND (l.turn_at, l.id) > (GREATEST(u.tf, v_after_at),
+                              CASE WHEN v_after_at >= u.tf THEN v_after_id ELSE 0 END)
                           AND l.turn_at <= v_now + interval '1 millisecond'
-                          AND (l.turn_at, l.id) > (v_after_at, v_after_id)
                         ORDER BY l.turn_at, l.id LIMIT v_left + 1
                     ) AS x
                     ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
@@ -790,42 +835,12 @@ BEGIN
             v_n := LEAST(cardinality(v_cands), v_left);
         END IF;
         IF v_n > 0 THEN
-            v_own := array_fill(false, ARRAY[v_n]);
-            v_cap := array_fill(0, ARRAY[v_n]);
-            v_room := array_fill(NULL::integer, ARRAY[v_n]);
-            v_max := array_fill(NULL::integer, ARRAY[v_n]);
-            -- (rated lanes only: filled as they are met, NULL elsewhere)
-            v_rt := NULL;
-            v_burst := NULL;
-            v_tat := NULL;
-            v_tok := NULL;
+            SELECT c.own, c.cap, c.room, c.max_concurrency, c.rate, c.burst, c.tat, c.tokens
+            INTO v_own, v_cap, v_room, v_max, v_rt, v_burst, v_tat, v_tok
+            FROM {schema}.lanes_claim_v1(v_cands, v_n, v_left, v_now) AS c;
             v_taken := array_fill(0, ARRAY[v_n]);
             v_more := array_fill(false, ARRAY[v_n]);
             v_done := array_fill(false, ARRAY[v_n]);
-            FOR i IN 1 .. v_n LOOP
-                v_own[i] := pg_try_advisory_xact_lock(
-                    {schema}.lane_key_v1((v_cands[i]).queue, (v_cands[i]).channel));
-                IF NOT (v_cands[i]).limited THEN
-                    v_cap[i] := v_left;
-                ELSIF v_own[i] THEN
-                    SELECT h.* INTO r
-                    FROM {schema}.channel_headroom_v2((v_cands[i]).queue, (v_cands[i]).channel,
-                                                      v_now) AS h;
-                    IF r.headroom IS NULL THEN
-                        -- its channel row is busy: not served this time (lane_postpone_v1)
-                        v_own[i] := false;
-                        PERFORM {schema}.lane_postpone_v1(v_cands[i]);
-                    ELSE
-                        v_room[i] := r.room;
-                        v_cap[i] := LEAST(r.headroom, v_left);
-                        v_max[i] := r.max_concurrency;
-                        v_rt[i] := r.rate_interval;
-                        v_burst[i] := r.burst;
-                        v_tat[i] := r.tat;
-                        v_tok[i] := r.tokens;
-                    END IF;
-                END IF;
-            END LOOP;
             -- passes: an equal share of what is left to each lane that may give more
             v_passes := 0;
             LOOP
