@@ -69,7 +69,9 @@ $$;
 -- statement: the next message (not locked, ingested in the latest snapshot of the ingest:
 -- read after the lane's key was taken, as in step 5), and the version replaced by compare
 -- and swap, as lane_put_v1 does: only over the live version, and not one that a queue-wide
--- change has locked.
+-- change has locked. (lanes_served_v1 writes such a lane the same way, for any lanes: called
+-- here instead, it cost the usual call over 1,000 channels 14%, 0.67 ms against 0.59 with
+-- synchronous_commit off, and the lone-lane case a function call and a statement more.)
 CREATE FUNCTION {schema}.lane_advance_v1(p_lane {schema}.lane, p_served timestamptz)
 RETURNS void
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
@@ -337,7 +339,8 @@ $$;
 -- due message, at its next token (a rated lane that spent them), or none (nothing left, or
 -- at its max_concurrency). A lone lane (the only one due, and of the call) without limits
 -- that has more, written a moment ago, is not written (its positions lag by what was taken
--- since; the next write catches up). The lanes without limits are written in one statement.
+-- since; the next write catches up). The lanes without limits are written in one statement,
+-- those with limits one by one (the lone-lane rule is not theirs).
 CREATE FUNCTION {schema}.lanes_served_v1(
     p_cands {schema}.lane[], p_n integer, p_own boolean[], p_taken integer[],
     p_more boolean[], p_max integer[], p_room integer[], p_rate interval[],
@@ -415,7 +418,7 @@ BEGIN
     FOR i IN 1 .. p_n LOOP
         CONTINUE WHEN NOT p_own[i] OR (p_max[i] IS NULL AND p_rate[i] IS NULL);
         v_lane := p_cands[i];
-        IF (p_max[i] IS NOT NULL OR p_rate[i] IS NOT NULL) AND p_taken[i] > 0 THEN
+        IF p_taken[i] > 0 THEN
             UPDATE {schema}.channel c SET
                 current_concurrency = c.current_concurrency
                     + CASE WHEN p_max[i] IS NOT NULL THEN p_taken[i] ELSE 0 END,
@@ -427,15 +430,12 @@ BEGIN
         -- a rated lane that spent its tokens: its turn not before the next one
         v_wait := CASE WHEN p_rate[i] IS NOT NULL AND p_tokens[i] - p_taken[i] <= 0
             THEN p_tat[i] + (p_taken[i] - p_burst[i] + 1) * p_rate[i] END;
-        CONTINUE WHEN p_n = 1 AND cardinality(p_cands) = 1 AND p_more[i] AND NOT v_lane.limited
-            AND v_lane.served_at > '-infinity'
-            AND v_lane.written_at > p_now - interval '5 milliseconds';
         -- (what this call took is locked now; what another running dequeue holds still counts)
         SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
         v_lane.prios := v_next.prios;
         v_lane.pos_at := v_next.pos_at;
         v_lane.pos_id := v_next.pos_id;
-        v_lane.limited := p_max[i] IS NOT NULL OR p_rate[i] IS NOT NULL;
+        v_lane.limited := true;
         v_lane.not_before := v_wait;
         IF p_taken[i] > 0 THEN
             v_lane.served_at := v_served + i * interval '1 microsecond';
