@@ -47,7 +47,9 @@ BIG_TABLES = ("message", "channel", "lane")
 # (full). Messages: four priorities; k % 7 = 0 delayed by an
 # hour, and every message of g % 10 = 5 too; k = 1 held when g % 5 = 4; k = 1 held with an
 # expired lock when g % 1000 = 7; k = 2 deferred before (attempts 1, state) when g % 4 = 0;
-# k = 3 named (de-duplication index).
+# k = 3 named (de-duplication index). Due times differ between channels (by g microseconds), as
+# arrivals do: lanes tied on one turn_at are a case of their own (see docs/design.md, "Lanes
+# tied on one turn").
 _FILL_CHANNELS = sql.SQL("""
 INSERT INTO {s}.queue (name) VALUES ('default'), ('other'), ('sleepy');
 CREATE TEMP TABLE plans_channel ON COMMIT DROP AS
@@ -79,7 +81,7 @@ CROSS JOIN LATERAL (
     SELECT ((k * 7 + c.g) % 4 * 3)::smallint AS priority,
            CASE WHEN c.g % 10 = 5 OR c.g % 20 = 11 OR k % 7 = 0
                 THEN now() + interval '1 hour' + make_interval(secs => k)
-                ELSE now() - make_interval(secs => k + c.g % 13) END AS due,
+                ELSE now() - make_interval(secs => k + c.g % 13 + c.g * 0.000001) END AS due,
            CASE WHEN c.g % 1000 = 7 AND k = 1 THEN now() - interval '1 minute'
                 WHEN (c.g % 50 = 2 AND k <= 2) OR (c.g % 20 = 1 AND k = 1)
                      OR (c.g % 5 = 4 AND k = 1) THEN now() + interval '1 hour'
