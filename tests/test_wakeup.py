@@ -13,6 +13,7 @@ its keys, and one whose transaction is open across it. An idle consumer makes no
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -190,25 +191,28 @@ def test_simple_queue_get_wakes_beside_another_consumer(
     Consumer(connection.channel(), [other], callbacks=[lambda b, m: m.ack()]).consume()
     simple = connection.SimpleQueue("simple")
     producer = make_connection().Producer(serializer="json")
-    with contextlib.suppress(simple.Empty):
-        simple.get(timeout=0.3)  # idle: found nothing, asleep
+    late: list[float] = []
+    sent: list[float] = []
 
     def later() -> None:
         time.sleep(0.5)
         sent.append(time.monotonic())
         producer.publish("hello", routing_key="simple")
 
-    sent: list[float] = []
-    publisher = threading.Thread(target=later)
-    publisher.start()
-    try:
-        message = simple.get(timeout=5)
-        got = time.monotonic()
-    finally:
-        publisher.join()
-    message.ack()
-    assert message.payload == "hello"
-    assert got - sent[0] < PICKUP_S
+    for _ in range(3):  # a scheduler stall of the loaded suite is one sample, not the median
+        with contextlib.suppress(simple.Empty):
+            simple.get(timeout=0.3)  # idle: found nothing, asleep
+        sent.clear()
+        publisher = threading.Thread(target=later)
+        publisher.start()
+        try:
+            message = simple.get(timeout=5)  # a lost wake-up: Empty (no poll within 30 s)
+            late.append(time.monotonic() - sent[0])
+        finally:
+            publisher.join()
+        message.ack()
+        assert message.payload == "hello"
+    assert statistics.median(late) < PICKUP_S, [round(x * 1000, 1) for x in late]
     simple.close()
 
 
@@ -378,8 +382,11 @@ def test_a_sooner_timer_does_not_hide_a_later_one(
     producer.publish("later", routing_key="later", headers={"x-delay-ms": 1200})
     time.sleep(0.1)  # its channel finds it delayed: a timer for it
     producer.publish("soon", routing_key="soon", headers={"x-delay-ms": 300})
-    assert received.wait("soon") - sent < 0.4 + PICKUP_S
-    assert received.wait("later", timeout=5) - sent < 1.2 + PICKUP_S
+    # (the defects: "soon" waits for the later timer, 1.2 s, or either waits for the fallback
+    # poll, 30 s; CI once saw "soon" 4 ms past 0.4 s + PICKUP_S, the loaded suite's scheduler:
+    # the bounds are that far from the defects, not PICKUP_S past the due times)
+    assert received.wait("soon") - sent < 0.9
+    assert received.wait("later", timeout=5) - sent < 1.6
 
 
 @pytest.mark.parametrize("hub", LOOPS)
