@@ -620,138 +620,149 @@ BEGIN
     --    lanes whose turn it is and, when the call is the usual one, the first one's heads
     v_usual := cardinality(p_queues) = 1 AND p_limit > 0
         AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
-    IF v_usual OR coalesce(cardinality(p_ack_ids), 0) > 0 THEN
-        v_now := clock_timestamp();
-        WITH gone AS (
-            DELETE FROM {schema}.message m
-            WHERE m.id = ANY (p_ack_ids)
-              AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
-            RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
-        )
-        SELECT a.ids, a.queues, a.channels, a.sized, a.slotted, s.lanes, s.heads
-        INTO v_gone, v_gq, v_gc, v_gs, v_gl, v_cands, h_id
-        FROM (SELECT array_agg(g.id) AS ids, array_agg(g.queue) AS queues,
-                     array_agg(g.channel) AS channels, array_agg(g.sized) AS sized,
-                     array_agg(g.slotted) AS slotted
-              FROM gone g) AS a
-        LEFT JOIN LATERAL (
-            SELECT x.lanes, h.heads
-            FROM (SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1) AS d
-            JOIN {schema}.queue q ON q.name = p_queues[1]
-            -- the lanes whose turn it is, oldest turn first (two: is it the only one?)
-            CROSS JOIN LATERAL (
-                SELECT ARRAY(
-                    SELECT l FROM {schema}.lane l
-                    WHERE l.queue = p_queues[1]
-                      AND l.turn_at >= coalesce(
-                          d.turn_from[array_position(d.queues, p_queues[1])], '-infinity')
-                      AND l.turn_at <= v_now + interval '1 millisecond'
-                    ORDER BY l.turn_at, l.id LIMIT 2) AS lanes
-                OFFSET 0) AS x  -- (read once, not at each use of its column)
-            -- the first one's heads from its position when the call is the usual one (the
-            -- ingest's state is fresh, no lock is past its expiry, the lane has no limit and
-            -- one priority, and is the only one due or one message is asked for): due,
-            -- ingested, not held by anyone, one more than asked for (has it more?); those
-            -- past their time to live or their max_attempts negated (steps 3 and 4 handle
-            -- them)
-            CROSS JOIN LATERAL (
-                SELECT ARRAY(
-                    SELECT CASE WHEN m.expires_at <= v_now
-                                     OR m.attempts >= coalesce(q.max_attempts, 2147483647)
-                                THEN -m.id ELSE m.id END
-                    FROM {schema}.message m
-                    WHERE v_usual AND d.taken_at >= v_now - interval '10 milliseconds'
-                      AND d.folded_at >= v_now - interval '1 second'
-                      AND p_queues[1] = ANY (d.queues)
-                      AND NOT (cardinality(d.pend_queue) > 0
-                               AND d.taken_at < v_now - interval '5 milliseconds')
-                      AND NOT (x.lanes[1]).limited AND cardinality((x.lanes[1]).prios) = 1
-                      AND (p_limit = 1 OR cardinality(x.lanes) = 1)
-                      -- (the first one in lock order, from the queue's lock position: an
-                      -- EXISTS loses the order, and was planned as a read of the whole
-                      -- locked index)
-                      AND (SELECT e.locked_until FROM {schema}.message e
-                           WHERE e.queue = p_queues[1]
-                             AND e.locked_until >= coalesce(
-                                 d.lock_from[array_position(d.queues, p_queues[1])], '-infinity')
-                             AND e.locked_until <= v_now
-                           ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
-                      AND m.queue = p_queues[1] AND m.channel = (x.lanes[1]).channel
-                      AND m.locked_until IS NULL AND m.priority = ((x.lanes[1]).prios)[1]
-                      AND (m.dequeue_at, m.id) >= (((x.lanes[1]).pos_at)[1],
-                                                   ((x.lanes[1]).pos_id)[1])
-                      AND m.dequeue_at <= v_now
-                      AND pg_visible_in_snapshot(m.txid, d.snap)
-                    ORDER BY m.priority DESC, m.dequeue_at, m.id
-                    LIMIT p_limit + 1
-                    FOR UPDATE SKIP LOCKED) AS heads) AS h
-        ) AS s ON true;
-    END IF;
-    IF v_gone IS NOT NULL THEN
-        e_q := v_gq;
-        e_c := v_gc;
-        e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
-        IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
-            PERFORM {schema}.ack_give_back_v1(v_gq, v_gc, v_gs, v_gl);
-        END IF;
-    END IF;
-    -- (those that did not apply: a row each)
-    IF coalesce(cardinality(v_gone), 0) < coalesce(cardinality(p_ack_ids), 0) THEN
-        RETURN QUERY
-            SELECT o.message_id, NULL::text, NULL::text, NULL::text, NULL::smallint,
-                   NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
-                   NULL::bigint, 'ack_' || o.result_code
-            FROM {schema}.ack_outcome_v1(p_ack_ids, v_gone) AS o WHERE o.result_code <> 'ok';
-    END IF;
-
-    -- 2. the usual call, served: its heads locked and returned, and the call tallied, in one
-    --    statement. Otherwise steps 2 to 6 run; the heads the read locked, if any, are its own.
-    v_take := h_id[1:p_limit];
-    IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
-        v_fast := true;
-        v_lane := v_cands[1];
-        v_got := cardinality(v_take);
-        -- (tallied in the same statement, with the acks: on the deliveries' row when of the
-        -- lane's channel, else on a row of their own when of one channel, else below)
-        v_acked := CASE WHEN v_gq <@ ARRAY[v_lane.queue::text]
-                             AND v_gc <@ ARRAY[v_lane.channel::text]
-                        THEN cardinality(v_gone) ELSE 0 END;
-        v_one := v_acked = 0 AND v_gq <@ ARRAY[v_gq[1]] AND v_gc <@ ARRAY[v_gc[1]];
-        RETURN QUERY
-            WITH locked AS (
-                UPDATE {schema}.message m SET
-                    locked_until = v_now + v_lock,
-                    lock_token = gen_random_uuid(),
-                    attempts = m.attempts + 1,
-                    slotted = false
-                WHERE m.id = ANY (v_take)
-                RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
-                          m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
-            ), tallied AS (
-                INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
-                SELECT v_lane.queue, v_lane.channel, v_got, v_acked, v_now + v_lock, v_take[1]
-                UNION ALL
-                SELECT v_gq[1], v_gc[1], 0, cardinality(v_gone), NULL, NULL WHERE v_one
+    LOOP
+        IF v_usual OR (NOT v_ingested AND coalesce(cardinality(p_ack_ids), 0) > 0) THEN
+            v_now := clock_timestamp();
+            WITH gone AS (
+                DELETE FROM {schema}.message m
+                WHERE NOT v_ingested AND m.id = ANY (p_ack_ids)
+                  AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+                RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
             )
-            SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
-                   k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
-                   'delivered'::text
-            FROM locked k ORDER BY k.dequeue_at, k.id;
-        e_q := CASE WHEN v_acked > 0 OR v_one THEN ARRAY[]::text[] ELSE e_q END;  -- (tallied)
-        -- the lane, owned with its key: moved to the back, its position past what was
-        -- taken, as in step 5 (unless it is the only one due, has more, and was written a
-        -- moment ago), read with the latest snapshot of the ingest
-        IF pg_try_advisory_xact_lock({schema}.lane_key_v1(v_lane.queue, v_lane.channel))
-           AND NOT (cardinality(v_cands) = 1 AND cardinality(h_id) > p_limit
-                    AND v_lane.served_at > '-infinity'
-                    AND v_lane.written_at > v_now - interval '5 milliseconds') THEN
-            PERFORM {schema}.lane_advance_v1(v_lane, clock_timestamp() + interval '1 microsecond');
+            SELECT a.ids, a.queues, a.channels, a.sized, a.slotted, s.lanes, s.heads
+            INTO v_gone, v_gq, v_gc, v_gs, v_gl, v_cands, h_id
+            FROM (SELECT array_agg(g.id) AS ids, array_agg(g.queue) AS queues,
+                         array_agg(g.channel) AS channels, array_agg(g.sized) AS sized,
+                         array_agg(g.slotted) AS slotted
+                  FROM gone g) AS a
+            LEFT JOIN LATERAL (
+                SELECT x.lanes, h.heads
+                FROM (SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1) AS d
+                JOIN {schema}.queue q ON q.name = p_queues[1]
+                -- the lanes whose turn it is, oldest turn first (two: is it the only one?)
+                CROSS JOIN LATERAL (
+                    SELECT ARRAY(
+                        SELECT l FROM {schema}.lane l
+                        WHERE l.queue = p_queues[1]
+                          AND l.turn_at >= coalesce(
+                              d.turn_from[array_position(d.queues, p_queues[1])], '-infinity')
+                          AND l.turn_at <= v_now + interval '1 millisecond'
+                        ORDER BY l.turn_at, l.id LIMIT 2) AS lanes
+                    OFFSET 0) AS x  -- (read once, not at each use of its column)
+                -- the first one's heads from its position when the call is the usual one (the
+                -- ingest's state is fresh, no lock is past its expiry, the lane has no limit and
+                -- one priority, and is the only one due or one message is asked for): due,
+                -- ingested, not held by anyone, one more than asked for (has it more?); those
+                -- past their time to live or their max_attempts negated (steps 3 and 4 handle
+                -- them)
+                CROSS JOIN LATERAL (
+                    SELECT ARRAY(
+                        SELECT CASE WHEN m.expires_at <= v_now
+                                         OR m.attempts >= coalesce(q.max_attempts, 2147483647)
+                                    THEN -m.id ELSE m.id END
+                        FROM {schema}.message m
+                        WHERE v_usual AND d.taken_at >= v_now - interval '10 milliseconds'
+                          AND d.folded_at >= v_now - interval '1 second'
+                          AND p_queues[1] = ANY (d.queues)
+                          AND NOT (cardinality(d.pend_queue) > 0
+                                   AND d.taken_at < v_now - interval '5 milliseconds')
+                          AND NOT (x.lanes[1]).limited AND cardinality((x.lanes[1]).prios) = 1
+                          AND (p_limit = 1 OR cardinality(x.lanes) = 1)
+                          -- (the first one in lock order, from the queue's lock position: an
+                          -- EXISTS loses the order, and was planned as a read of the whole
+                          -- locked index)
+                          AND (SELECT e.locked_until FROM {schema}.message e
+                               WHERE e.queue = p_queues[1]
+                                 AND e.locked_until >= coalesce(
+                                     d.lock_from[array_position(d.queues, p_queues[1])], '-infinity')
+                                 AND e.locked_until <= v_now
+                               ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
+                          AND m.queue = p_queues[1] AND m.channel = (x.lanes[1]).channel
+                          AND m.locked_until IS NULL AND m.priority = ((x.lanes[1]).prios)[1]
+                          AND (m.dequeue_at, m.id) >= (((x.lanes[1]).pos_at)[1],
+                                                       ((x.lanes[1]).pos_id)[1])
+                          AND m.dequeue_at <= v_now
+                          AND pg_visible_in_snapshot(m.txid, d.snap)
+                        ORDER BY m.priority DESC, m.dequeue_at, m.id
+                        LIMIT p_limit + 1
+                        FOR UPDATE SKIP LOCKED) AS heads) AS h
+            ) AS s ON true;
         END IF;
-    END IF;
+        IF v_gone IS NOT NULL THEN
+            e_q := v_gq;
+            e_c := v_gc;
+            e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
+            IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
+                PERFORM {schema}.ack_give_back_v1(v_gq, v_gc, v_gs, v_gl);
+            END IF;
+        END IF;
+        -- (those that did not apply: a row each)
+        IF NOT v_ingested AND coalesce(cardinality(v_gone), 0) < coalesce(cardinality(p_ack_ids), 0) THEN
+            RETURN QUERY
+                SELECT o.message_id, NULL::text, NULL::text, NULL::text, NULL::smallint,
+                       NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+                       NULL::bigint, 'ack_' || o.result_code
+                FROM {schema}.ack_outcome_v1(p_ack_ids, v_gone) AS o WHERE o.result_code <> 'ok';
+        END IF;
 
-    IF NOT v_fast THEN
+        -- 2. the usual call, served: its heads locked and returned, and the call tallied, in one
+        --    statement. Otherwise steps 2 to 6 run; the heads the read locked, if any, are its own.
+        v_take := h_id[1:p_limit];
+        IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
+            v_fast := true;
+            v_lane := v_cands[1];
+            v_got := cardinality(v_take);
+            -- (tallied in the same statement, with the acks: on the deliveries' row when of the
+            -- lane's channel, else on a row of their own when of one channel, else below)
+            v_acked := CASE WHEN v_gq <@ ARRAY[v_lane.queue::text]
+                                 AND v_gc <@ ARRAY[v_lane.channel::text]
+                            THEN cardinality(v_gone) ELSE 0 END;
+            v_one := v_acked = 0 AND v_gq <@ ARRAY[v_gq[1]] AND v_gc <@ ARRAY[v_gc[1]];
+            RETURN QUERY
+                WITH locked AS (
+                    UPDATE {schema}.message m SET
+                        locked_until = v_now + v_lock,
+                        lock_token = gen_random_uuid(),
+                        attempts = m.attempts + 1,
+                        slotted = false
+                    WHERE m.id = ANY (v_take)
+                    RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                              m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+                ), tallied AS (
+                    INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
+                    SELECT v_lane.queue, v_lane.channel, v_got, v_acked, v_now + v_lock, v_take[1]
+                    UNION ALL
+                    SELECT v_gq[1], v_gc[1], 0, cardinality(v_gone), NULL, NULL WHERE v_one
+                )
+                SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
+                       k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
+                       'delivered'::text
+                FROM locked k ORDER BY k.dequeue_at, k.id;
+            e_q := CASE WHEN v_acked > 0 OR v_one THEN ARRAY[]::text[] ELSE e_q END;  -- (tallied)
+            -- the lane, owned with its key: moved to the back, its position past what was
+            -- taken, as in step 5 (unless it is the only one due, has more, and was written a
+            -- moment ago), read with the latest snapshot of the ingest
+            IF pg_try_advisory_xact_lock({schema}.lane_key_v1(v_lane.queue, v_lane.channel))
+               AND NOT (cardinality(v_cands) = 1 AND cardinality(h_id) > p_limit
+                        AND v_lane.served_at > '-infinity'
+                        AND v_lane.written_at > v_now - interval '5 milliseconds') THEN
+                PERFORM {schema}.lane_advance_v1(v_lane, clock_timestamp() + interval '1 microsecond');
+            END IF;
+        END IF;
+        EXIT WHEN v_fast;
         SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
-    END IF;
+        -- (the usual call, found nothing as the ingest's state was old, as after a wake-up:
+        -- ingested, and read again, once; its acks are in, the tally below has them)
+        EXIT WHEN v_ingested OR NOT v_usual OR coalesce(cardinality(h_id), 0) > 0
+            OR (v_cands[1]).limited OR cardinality((v_cands[1]).prios) > 1
+            OR NOT (v_d.taken_at < v_now - interval '10 milliseconds'
+                    OR v_d.folded_at < v_now - interval '1 second'
+                    OR NOT (p_queues <@ v_d.queues));
+        v_d := {schema}.ingest_v1(p_queues, false, false);
+        v_ingested := true;
+        v_now := clock_timestamp();
+    END LOOP;
+
     LOOP
         EXIT WHEN v_fast;
         -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
