@@ -15,6 +15,7 @@ import psycopg
 import pytest
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
+from psycopg import sql
 
 import lonnymq
 from lonnymq.transport import Transport
@@ -990,3 +991,44 @@ def test_refill_waits_refill_delay_only_when_holding_more_than_half(
         assert more_than_half >= delay * 0.9
     else:
         assert more_than_half < 0.15
+
+
+def test_transient_messages_do_not_wait_for_the_wal_flush(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str, pg_dsn: str
+) -> None:
+    """A message published as transient (kombu's delivery_mode 1: Celery's rpc:// replies,
+    its events, pidbox broadcasts) commits with synchronous_commit off; a persistent one (the
+    default, or delivery_mode 2) durably, and one published in the caller's transaction
+    with the caller's setting. Each is delivered alike. (Seen by a trigger on the message
+    table that records the setting of the transaction that inserts.)"""
+    connection = make_connection()
+    with connection.SimpleQueue("modes") as simple:  # declares it, and installs the schema
+        s = sql.Identifier(schema)
+        conn.execute(sql.SQL("CREATE TABLE {}.seen (id bigint, mode text)").format(s))
+        conn.execute(
+            sql.SQL(
+                "CREATE FUNCTION {s}.record_mode() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                "BEGIN INSERT INTO {s}.seen VALUES (NEW.id, "
+                "current_setting('synchronous_commit')); RETURN NEW; END $$"
+            ).format(s=s)
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE TRIGGER record_mode AFTER INSERT ON {s}.message "
+                "FOR EACH ROW EXECUTE FUNCTION {s}.record_mode()"
+            ).format(s=s)
+        )
+        producer = connection.Producer(serializer="json")
+        for body, mode in (("t", "transient"), ("p", "persistent"), ("d", None)):
+            producer.publish(body, routing_key="modes", delivery_mode=mode)
+        with psycopg.connect(pg_dsn) as caller, lonnymq.transaction(caller):
+            producer.publish("in-txn", routing_key="modes", delivery_mode="transient")
+        got = []
+        for _ in range(4):
+            message = simple.get(timeout=5)
+            got.append(message.payload)
+            message.ack()
+    assert sorted(got) == sorted(["t", "p", "d", "in-txn"])
+    # (in the order published: t, p, d, in-txn)
+    modes = conn.execute(sql.SQL("SELECT mode FROM {}.seen ORDER BY id").format(s)).fetchall()
+    assert [m for (m,) in modes] == ["off", "on", "on", "on"]

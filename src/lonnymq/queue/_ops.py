@@ -79,7 +79,8 @@ def async_commit(op: Op[T]) -> Op[T]:
     """``op`` committing with ``synchronous_commit = off``: no wait for the WAL flush. Only
     for a statement that is its own transaction (an autocommit connection) and whose loss in
     a database crash is harmless: a dequeue or an ack lost that way means a redelivery, which
-    at-least-once delivery allows. Never for a create."""
+    at-least-once delivery allows. Never for a create, except of a message its publisher
+    marked transient (kombu's delivery_mode 1), whose loss in a crash is its contract."""
     return Op(op.schema, _ASYNC_COMMIT + op.query + b") AS q", op.params, op.parse)
 
 

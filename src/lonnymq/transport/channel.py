@@ -17,7 +17,7 @@ from ..enqueue import current_connection
 from ..exceptions import ChannelFull, LonnyMQError
 from ..queue import Message as QueueMessage
 from ..queue import Outcome
-from ..queue._ops import Op, run
+from ..queue._ops import Op, async_commit, run
 from ..queue.dequeue import DequeueResult, dequeue_op
 from ..queue.finalize import defer_op, delete_many_op, delete_op, reject_op
 from ..queue.operate import settings_op
@@ -28,6 +28,9 @@ from .headers import delay_ms, make_eta_aware, priority, str_or_none, ttl_ms
 from .interfaces import Delivery, TransportLike, Where
 from .qos import QoS
 from .topology import TopologyChannel
+
+#: kombu's delivery_mode of a transient message (``"transient"`` is sent as 1)
+TRANSIENT_DELIVERY_MODE = 1
 
 logger = logging.getLogger("lonnymq.transport")
 
@@ -126,8 +129,17 @@ class Channel(TopologyChannel):
             max_message_bytes=self.options.max_message_bytes,
         )
         caller = current_connection()
-        # inside lonnymq.transaction(conn): in the caller's transaction, on its connection
-        routed = self._run(op) if caller is None else run(caller, op)
+        if caller is not None:
+            # inside lonnymq.transaction(conn): in the caller's transaction, on its connection
+            routed = run(caller, op)
+        elif props.get("delivery_mode") == TRANSIENT_DELIVERY_MODE:
+            # a transient message (Celery's rpc:// replies, events, pidbox broadcasts) does
+            # not wait for the WAL flush: a database crash can lose the last of them, as a
+            # RabbitMQ restart loses every transient message. Persistent ones (kombu's
+            # default) commit durably.
+            routed = self._run(async_commit(op))
+        else:
+            routed = self._run(op)
         if caller is None:  # never while the caller's transaction is open
             self.connection.sweep()
         lane = str(headers.get("x-channel") or routing_key)

@@ -77,7 +77,8 @@ class Options:
     #: How the consumer's own transactions commit (dequeue, ack, reject, lock heartbeat):
     #: "async" (synchronous_commit off: no wait for the WAL flush; a database crash can lose
     #: the last few, which means redeliveries, never a lost message) or "sync". Publishes
-    #: always commit durably.
+    #: commit durably, but for transient messages (delivery_mode 1: Celery's rpc:// replies,
+    #: events and broadcasts), which do not wait for the WAL flush.
     consumer_commit: str = "async"
     #: Seconds to wait for a connection to Postgres.
     connect_timeout: float | None = None
