@@ -165,18 +165,19 @@ def test_bad_policies_are_refused_and_change_nothing(
 def test_a_rate_holds_with_its_burst(broker: lonnymq.Broker, conn: Conn) -> None:
     queue = broker.queue("q")
     queue.channel("a").policy.set(conn, rate="20/s", burst=5)
-    # (the first call of a session compiles the dequeue, 20-40 ms here: not in the first
-    # delivering call, whose tokens are reckoned when it starts, so that the 6th token came
-    # 50 ms after that start but less than 30 ms after the first message arrived)
-    assert not broker.dequeue(conn, ["q"], listen=False).messages
     fill(queue, conn, "a", 200)
-    got = drain(broker, conn, ["q"], 2.5)
-    start = got[0][0]
-    times = [t - start for t, _ in got]
-    # the burst at once, then one every 50 ms
-    assert len([t for t in times if t < 0.03]) == 5
-    assert times[5] >= 0.04, times[:6]
-    assert max_in_window(times, 1.0) <= 20 + 5
+    spans: list[tuple[float, float]] = []
+    got = drain(broker, conn, ["q"], 2.5, spans=spans)
+    # the burst at once (the first call, 10 asked for), then one every 50 ms: the 6th granted
+    # at least 50 ms after the call that granted the burst began (its tokens are reckoned
+    # then). Timed from the calls' spans (each message granted between its call and its
+    # return), not from when the first message arrived: a first call that takes 15-40 ms (it
+    # compiles the dequeue, or the suite loads the machine) made the 6th come "early" from
+    # that arrival (CI: 35 ms after it; once 6 within 30 ms)
+    assert len(got) > 6
+    assert spans[:6].count(spans[0]) == 5, spans[:6]
+    assert spans[5][1] - spans[0][0] >= 0.045, [(round(a, 4), round(b, 4)) for a, b in spans[:6]]
+    assert most_surely_in_window(spans, 1.0) <= 20 + 5
     assert 5 + 20 * 2.5 - 3 <= len(got) <= 5 + 20 * 2.5 + 1
     assert_consistent(conn, broker.schema)
 
