@@ -11,6 +11,7 @@ import time
 from queue import Empty
 from typing import Any
 
+from kombu.entity import TRANSIENT_DELIVERY_MODE
 from kombu.utils.json import dumps, loads
 
 from ..enqueue import current_connection
@@ -28,9 +29,6 @@ from .headers import delay_ms, make_eta_aware, priority, str_or_none, ttl_ms
 from .interfaces import Delivery, TransportLike, Where
 from .qos import QoS
 from .topology import TopologyChannel
-
-#: kombu's delivery_mode of a transient message (``"transient"`` is sent as 1)
-TRANSIENT_DELIVERY_MODE = 1
 
 logger = logging.getLogger("lonnymq.transport")
 

@@ -621,7 +621,7 @@ BEGIN
     v_usual := cardinality(p_queues) = 1 AND p_limit > 0
         AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
     LOOP
-        IF v_usual OR (NOT v_ingested AND coalesce(cardinality(p_ack_ids), 0) > 0) THEN
+        IF v_usual OR coalesce(cardinality(p_ack_ids), 0) > 0 THEN  -- (a 2nd round: usual)
             v_now := clock_timestamp();
             WITH gone AS (
                 DELETE FROM {schema}.message m
