@@ -418,21 +418,23 @@ def test_rate_state_is_shown(broker: lonnymq.Broker, conn: Conn) -> None:
 
 @pytest.mark.slow
 def test_cli_sets_and_shows_rates(broker: lonnymq.Broker, conn: Conn, pg_dsn: str) -> None:
+    # (10 an hour: no token comes back between the commands that read them, slow under load;
+    # at 10 a minute one did, 6 s after the burst)
     base = ("--dsn", pg_dsn, "--schema", broker.schema)
-    out = cli("policy", "set", "q", "a", "--rate", "10/m", "--burst", "3", *base, "--json")
+    out = cli("policy", "set", "q", "a", "--rate", "10/h", "--burst", "3", *base, "--json")
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
-    assert shown["own_policy"]["rate"] == "10/m" and shown["own_policy"]["burst"] == 3
+    assert shown["own_policy"]["rate"] == "10/h" and shown["own_policy"]["burst"] == 3
     assert shown["tokens"] == 3
     fill(broker.queue("q"), conn, "a", 10)
     drain(broker, conn, ["q"], 0.05)
     listed = json.loads(cli("channels", "q", *base, "--json").stdout)
     assert [(c["channel"], c["rate"], c["burst"], c["tokens"]) for c in listed] == [
-        ("a", "10/m", 3, 0)
+        ("a", "10/h", 3, 0)
     ]
     assert listed[0]["next_token_at"] is not None
     table = cli("channels", "q", *base)
-    assert "10/m x3" in table.stdout and "next in" in table.stdout
+    assert "10/h x3" in table.stdout and "next in" in table.stdout
     status = json.loads(cli("status", *base, "--json").stdout)
     assert status[0]["rate_held"] == {"channels": 1, "messages": 7}
     assert "wait for the rate of 1 channel(s)" in cli("status", *base).stdout
@@ -444,7 +446,7 @@ def test_cli_sets_and_shows_rates(broker: lonnymq.Broker, conn: Conn, pg_dsn: st
         assert refused.returncode == 2, (bad, refused.stdout, refused.stderr)
         assert "rate" in refused.stderr or "burst" in refused.stderr
     assert broker.queue("q").channel("a").policy.get(conn) == lonnymq.Policy(
-        None, None, Rate(10, 60_000), 3
+        None, None, Rate(10, 3_600_000), 3
     )
 
 

@@ -35,6 +35,122 @@ BEGIN
 END;
 $$;
 
+-- Step 1, a wake-up: the usual call found nothing, and no lane of its queue is due, because
+-- what woke it is not ingested yet. When what no ingest has seen yet, of every queue, is
+-- little (the first 64 rows of message_txid_idx past the ingest's snapshot, and those of the
+-- transactions running in it that have committed since) and this queue's part of it is of
+-- one channel without limits, due, not past its time to live or max_attempts, and no more
+-- than the call asks for, the call takes it all as an ingest and the usual call would (the
+-- only lane due, served whole), without the ingest (about 20 statements). Under the ingest
+-- key, tried: no ingest runs meanwhile, so none counts these messages too; the statement
+-- reads the ingest's state after the key is taken. The call's tally counts their creation
+-- (`arrival` 1: counted), as the ingest would have; the lane has nothing of them to hand out
+-- and is not written; the lock's expiry reaches the ingest through the tally, as any
+-- delivery's. The session's next call ingests first (lonnymq.fresh), so that takes never
+-- follow one another past the ingest. Returns the rows taken (none: the caller goes on).
+CREATE FUNCTION {schema}.dequeue_take_v1(
+    p_queue text, p_limit integer, p_lock interval, p_now timestamptz
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_seen integer;
+    v_channels text[];
+    v_ids bigint[];
+    v_lock_from timestamptz;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0)) THEN
+        RETURN;
+    END IF;
+    -- what no ingest has seen yet (of every queue: is it little?), this queue's part of it,
+    -- and the queue's lock position (none: its positions unknown, or heads of its lanes
+    -- pending)
+    WITH d AS MATERIALIZED (
+        SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1
+    ), unseen AS (
+        SELECT m.id, m.queue, m.channel
+        FROM d CROSS JOIN LATERAL (
+            SELECT m.* FROM {schema}.message m
+            WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL
+            ORDER BY m.txid LIMIT 64) AS m
+        UNION ALL
+        SELECT m.id, m.queue, m.channel
+        FROM d CROSS JOIN LATERAL pg_snapshot_xip(d.snap) AS x(txid)
+        CROSS JOIN LATERAL (
+            SELECT m.* FROM {schema}.message m
+            WHERE m.txid = x.txid AND m.lock_token IS NULL
+            LIMIT 64) AS m
+    )
+    SELECT count(*)::integer,
+           array_agg(DISTINCT u.channel::text) FILTER (WHERE u.queue = p_queue),
+           array_agg(u.id) FILTER (WHERE u.queue = p_queue),
+           (SELECT d.lock_from[array_position(d.queues, p_queue)] FROM d
+            WHERE p_queue <> ALL (d.pend_queue))
+    INTO v_seen, v_channels, v_ids, v_lock_from
+    FROM unseen u;
+    IF v_seen >= 64 OR cardinality(v_channels) IS DISTINCT FROM 1 OR v_lock_from IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH picked AS MATERIALIZED (
+            SELECT m.id, m.arrival
+            FROM {schema}.queue q
+            LEFT JOIN {schema}.channel c ON c.queue = q.name AND c.name = v_channels[1]
+            JOIN {schema}.message m ON m.id = ANY (v_ids)
+            WHERE q.name = p_queue
+              AND CASE WHEN c.has_policy
+                       THEN c.own_max_concurrency IS NULL AND c.own_rate_count IS NULL
+                       ELSE q.max_concurrency IS NULL AND q.rate_count IS NULL END
+              AND (SELECT e.locked_until FROM {schema}.message e
+                   WHERE e.queue = p_queue AND e.locked_until >= v_lock_from
+                     AND e.locked_until <= p_now
+                   ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
+              AND m.lock_token IS NULL AND m.dequeue_at <= p_now
+              AND (m.expires_at IS NULL OR m.expires_at > p_now)
+              AND m.attempts < coalesce(q.max_attempts, 2147483647)
+            ORDER BY m.priority DESC, m.dequeue_at, m.id
+            LIMIT p_limit
+            FOR UPDATE OF m SKIP LOCKED
+        ), locked AS (
+            UPDATE {schema}.message m SET
+                locked_until = p_now + p_lock,
+                lock_token = gen_random_uuid(),
+                attempts = m.attempts + 1,
+                slotted = false,
+                arrival = 1
+            FROM picked p
+            WHERE m.id = p.id
+            RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts, m.lock_token,
+                      m.created_at, m.content, m.state, m.dequeue_at, p.arrival AS was
+        ), tallied AS (
+            INSERT INTO {schema}.tally (queue, channel, enqueued, delivered, lock_until, lock_id)
+            SELECT p_queue, v_channels[1], count(*) FILTER (WHERE k.was = 0), count(*),
+                   p_now + p_lock, min(k.id)
+            FROM locked k HAVING count(*) > 0
+        )
+        SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
+               k.lock_token, k.created_at, k.content, k.state, NULL::bigint, 'delivered'::text
+        FROM locked k ORDER BY k.priority DESC, k.dequeue_at, k.id;
+    IF FOUND THEN
+        PERFORM set_config('lonnymq.fresh', 'on', false);
+    END IF;
+END;
+$$;
+
 -- Steps 2 to 4: the queues of a call (those that exist, in name order), their max_attempts,
 -- their positions (from the ingest's state p_d) and whether a lock is past its expiry (at
 -- p_now). (Every statement's plan is set up again in each transaction, aggregates and sorts
@@ -795,10 +911,17 @@ BEGIN
         END IF;
         EXIT WHEN v_fast;
         SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
-        -- (the usual call, found nothing as the ingest's state was old, as after a wake-up:
-        -- ingested, and read again, once; its acks are in, the tally below has them)
-        EXIT WHEN v_ingested OR NOT v_usual OR coalesce(cardinality(h_id), 0) > 0
-            OR (v_cands[1]).limited OR cardinality((v_cands[1]).prios) > 1
+        -- (the usual call found nothing, as after a wake-up: with no lane due, what woke it
+        -- taken without an ingest; else, when the ingest's state was old, ingested and read
+        -- again, once; its acks are in, the tally below has them)
+        EXIT WHEN v_ingested OR NOT v_usual OR coalesce(cardinality(h_id), 0) > 0;
+        IF cardinality(v_cands) = 0 THEN
+            RETURN QUERY SELECT * FROM {schema}.dequeue_take_v1(p_queues[1], p_limit, v_lock, v_now);
+            GET DIAGNOSTICS v_got = ROW_COUNT;
+            v_fast := v_got > 0;
+            EXIT WHEN v_fast;
+        END IF;
+        EXIT WHEN (v_cands[1]).limited OR cardinality((v_cands[1]).prios) > 1
             OR NOT (v_d.taken_at < v_now - interval '10 milliseconds'
                     OR v_d.folded_at < v_now - interval '1 second'
                     OR NOT (p_queues <@ v_d.queues));
@@ -1150,6 +1273,7 @@ REVOKE ALL ON FUNCTION {schema}.dequeue_queues_v1(text[], {schema}.discovery, ti
 REVOKE ALL ON FUNCTION {schema}.dequeue_expired_v1(text[], timestamptz[], integer[], integer, timestamptz, interval) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lane_heads_v1({schema}.lane[], integer[], integer[], pg_snapshot, timestamptz) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lane_advance_v1({schema}.lane, timestamptz) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_take_v1(text, integer, interval, timestamptz) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lane_postpone_v1({schema}.lane) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lanes_claim_v1({schema}.lane[], integer, integer, timestamptz) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lanes_served_v1({schema}.lane[], integer, boolean[], integer[], boolean[], integer[], integer[], interval[], timestamptz[], integer[], integer[], timestamptz) FROM PUBLIC;
