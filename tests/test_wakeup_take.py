@@ -69,9 +69,7 @@ def test_a_wake_up_is_served_without_an_ingest_and_counted_once(
     assert (stats.total, stats.in_flight) == (0, 0)
     # and still once after a fold
     conn.execute(
-        sql.SQL("SELECT {}.ingest_v1(ARRAY['q'], true, true)").format(
-            sql.Identifier(broker.schema)
-        )
+        sql.SQL("SELECT {}.ingest_v1(ARRAY['q'], true, true)").format(sql.Identifier(broker.schema))
     )
     assert counters(broker, conn, "q") == Counters(4, 4, 0, 4, 0, 0, 0, 0)
     assert_consistent(conn, broker.schema)
