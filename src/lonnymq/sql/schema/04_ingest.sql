@@ -62,7 +62,8 @@ $$;
 -- channel got a slot back (`freed`); advance the scan positions of p_queues; fold the tallies
 -- (at most once a second, or now with p_fold). One caller at a time (advisory lock): with
 -- p_wait it waits for the current one, else it returns the latest state. Consumers deliver
--- only what is ingested.
+-- only what is ingested. Its steps: ingest_fresh_v1 (1), ingest_freed_v1 (2),
+-- ingest_positions_v1 (3 and 4), then the fold and the new state (5).
 CREATE FUNCTION {schema}.ingest_v1(p_queues text[], p_wait boolean, p_fold boolean)
 RETURNS {schema}.discovery
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
@@ -71,36 +72,8 @@ DECLARE
     v_new {schema}.discovery;
     v_snap pg_snapshot;
     v_now timestamptz;
-    v_xip xid8[];
-    r record;
-    v_lane {schema}.lane;
-    v_put {schema}.lane;
-    v_merged record;
-    v_max integer;
-    v_in_flight integer;
-    v_tf timestamptz;
-    v_at timestamptz;
-    v_i integer;
-    v_q text;
-    v_last_queue text := '';
-    v_cq text[] := ARRAY[]::text[];
-    v_cc text[] := ARRAY[]::text[];
-    v_cn integer[] := ARRAY[]::integer[];
-    v_fold boolean;
-    v_limited boolean;
-    v_next record;
-    v_next_id bigint;
-    -- lane keys taken (each holds a slot of the server's lock table until commit: at most
-    -- max_locks_per_transaction x max_connections in all, 6,400 by default)
-    v_keys integer := 0;
-    -- heads of the lanes left for the next ingest (pend_*), and how many
-    v_pq text[] := ARRAY[]::text[];
-    v_pc text[] := ARRAY[]::text[];
-    v_pp smallint[] := ARRAY[]::smallint[];
-    v_pa timestamptz[] := ARRAY[]::timestamptz[];
-    v_pi bigint[] := ARRAY[]::bigint[];
-    v_np integer := 0;
-    v_k integer;
+    v_committed xid8[];
+    v_fresh record;
 BEGIN
     IF p_wait THEN
         PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
@@ -113,20 +86,102 @@ BEGIN
     v_now := clock_timestamp();
     v_new := v_old;
     -- what was in progress then and has committed since
-    v_xip := ARRAY(SELECT x FROM pg_snapshot_xip(v_old.snap) AS x
-                   WHERE pg_visible_in_snapshot(x, v_snap));
+    v_committed := ARRAY(SELECT x FROM pg_snapshot_xip(v_old.snap) AS x
+                         WHERE pg_visible_in_snapshot(x, v_snap));
+
+    -- 1. what is new: the lanes of its channels
+    SELECT * INTO v_fresh FROM {schema}.ingest_fresh_v1(v_old, v_snap, v_committed, v_now);
+    v_new.pend_queue := v_fresh.pend_queue;
+    v_new.pend_channel := v_fresh.pend_channel;
+    v_new.pend_prio := v_fresh.pend_prio;
+    v_new.pend_at := v_fresh.pend_at;
+    v_new.pend_id := v_fresh.pend_id;
+    -- 2. channels that got a slot back while at their max_concurrency
+    IF v_fresh.keys < 1000 AND EXISTS (SELECT 1 FROM {schema}.channel c WHERE c.freed) THEN
+        PERFORM {schema}.ingest_freed_v1(v_old, v_snap, v_fresh.keys);
+    END IF;
+    -- 3 and 4. the next lock expiry of every queue; the scan positions of the caller's
+    v_new := {schema}.ingest_positions_v1(v_new, p_queues, v_snap, v_committed, v_now);
+
+    -- 5. the tallies folded (at most once a second) or the created ones counted; the state
+    IF p_fold OR v_old.folded_at < v_now - interval '1 second' THEN
+        PERFORM {schema}.fold_v1(v_old.folded, v_snap, v_fresh.created_queues,
+                                 v_fresh.created_channels, v_fresh.created_counts);
+        v_new.folded := v_snap;
+        v_new.folded_at := v_now;
+    ELSIF cardinality(v_fresh.created_queues) > 0 THEN
+        INSERT INTO {schema}.tally (queue, channel, enqueued)
+        SELECT * FROM unnest(v_fresh.created_queues, v_fresh.created_channels,
+                             v_fresh.created_counts);
+    END IF;
+    v_new.snap := v_snap;
+    v_new.taken_at := v_now;
+    INSERT INTO {schema}.discovery
+        (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, lock_id,
+         expire_from, pend_queue, pend_channel, pend_prio, pend_at, pend_id)
+    VALUES (v_new.snap, v_new.folded, v_new.taken_at, v_new.folded_at, v_new.queues,
+            v_new.turn_from, v_new.lock_from, v_new.lock_next, v_new.lock_id, v_new.expire_from,
+            v_new.pend_queue, v_new.pend_channel, v_new.pend_prio, v_new.pend_at, v_new.pend_id)
+    RETURNING * INTO v_new;
+    DELETE FROM {schema}.discovery d WHERE d.id = v_old.id;
+    RETURN v_new;
+END;
+$$;
+
+-- Ingest, step 1: what committed between the last state p_old and p_snap (p_committed: the
+-- transactions in progress in p_old that have committed since), and the heads the last ingest
+-- could not write, per channel: its lane gets a turn, or an earlier one, and positions no
+-- later than its new heads. A channel without a lane gets one, and needs no key: no dequeue
+-- can own a lane that has no version, and whoever else creates lanes holds the ingest key. A
+-- lane that exists is written under its key: one its owner is serving right now waits for
+-- the next ingest (no waiting: its heads are returned as pend_*), and so do those past the
+-- first 1,000 keys of this ingest (each key holds a slot of the server's lock table until
+-- commit, at most max_locks_per_transaction x max_connections in all, 6,400 by default:
+-- 100,000 of them made every ingest fail with `out of shared memory`). Returns the messages
+-- created per channel (to count) and the keys taken.
+CREATE FUNCTION {schema}.ingest_fresh_v1(
+    p_old {schema}.discovery, p_snap pg_snapshot, p_committed xid8[], p_now timestamptz,
+    OUT created_queues text[], OUT created_channels text[], OUT created_counts integer[],
+    OUT pend_queue text[], OUT pend_channel text[], OUT pend_prio smallint[],
+    OUT pend_at timestamptz[], OUT pend_id bigint[], OUT keys integer
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    r record;
+    v_lane {schema}.lane;
+    v_put {schema}.lane;
+    v_merged record;
+    v_limited boolean;
+    v_max integer;
+    v_in_flight integer;
+    v_turn_from timestamptz;
+    v_at timestamptz;
+    v_at_queue integer;
+    v_last_queue text := '';
+    v_pending integer := 0;
+    v_head integer;
+BEGIN
+    created_queues := ARRAY[]::text[];
+    created_channels := ARRAY[]::text[];
+    created_counts := ARRAY[]::integer[];
+    pend_queue := ARRAY[]::text[];
+    pend_channel := ARRAY[]::text[];
+    pend_prio := ARRAY[]::smallint[];
+    pend_at := ARRAY[]::timestamptz[];
+    pend_id := ARRAY[]::bigint[];
+    keys := 0;
     FOR r IN
         WITH fresh AS MATERIALIZED (
             SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
             FROM {schema}.message m
-            WHERE m.txid >= pg_snapshot_xmax(v_old.snap) AND m.txid < pg_snapshot_xmax(v_snap)
-              AND m.lock_token IS NULL AND pg_visible_in_snapshot(m.txid, v_snap)
+            WHERE m.txid >= pg_snapshot_xmax(p_old.snap) AND m.txid < pg_snapshot_xmax(p_snap)
+              AND m.lock_token IS NULL AND pg_visible_in_snapshot(m.txid, p_snap)
             UNION ALL
             -- (by the txid index, one probe per transaction: another partial index of the
             -- same predicate would be read whole, dead entries and all; OFFSET 0 keeps the
             -- planner from flattening the probes into a hash join over such a read)
             SELECT m.queue, m.channel, m.priority, m.dequeue_at, m.id, m.arrival
-            FROM unnest(v_xip) AS x(txid)
+            FROM unnest(p_committed) AS x(txid)
             CROSS JOIN LATERAL (
                 SELECT m.* FROM {schema}.message m
                 WHERE m.txid = x.txid AND m.lock_token IS NULL
@@ -135,8 +190,8 @@ BEGIN
             UNION ALL
             -- the heads the last ingest could not write (counted then)
             SELECT p.q, p.c, p.prio, p.at, p.id, 1::smallint
-            FROM unnest(v_old.pend_queue, v_old.pend_channel, v_old.pend_prio, v_old.pend_at,
-                        v_old.pend_id) AS p(q, c, prio, at, id)
+            FROM unnest(p_old.pend_queue, p_old.pend_channel, p_old.pend_prio, p_old.pend_at,
+                        p_old.pend_id) AS p(q, c, prio, at, id)
         ), heads AS (
             SELECT DISTINCT ON (f.queue, f.channel, f.priority)
                    f.queue, f.channel, f.priority, f.dequeue_at, f.id
@@ -160,36 +215,31 @@ BEGIN
             IF NOT EXISTS (SELECT 1 FROM {schema}.queue q WHERE q.name = r.queue) THEN
                 INSERT INTO {schema}.queue (name) VALUES (r.queue) ON CONFLICT (name) DO NOTHING;
             END IF;
-            v_i := array_position(v_old.queues, r.queue);
-            v_tf := CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_old.turn_from[v_i] END;
+            v_at_queue := array_position(p_old.queues, r.queue);
+            v_turn_from := CASE WHEN v_at_queue IS NULL THEN '-infinity'
+                                ELSE p_old.turn_from[v_at_queue] END;
         END IF;
         IF r.created > 0 THEN
-            v_cq := v_cq || r.queue;
-            v_cc := v_cc || r.channel;
-            v_cn := v_cn || r.created;
+            created_queues := created_queues || r.queue;
+            created_channels := created_channels || r.channel;
+            created_counts := created_counts || r.created;
         END IF;
-        -- A channel without a lane gets one, and needs no key: no dequeue can own a lane that
-        -- has no version, and whoever else creates lanes holds the ingest key. A lane that
-        -- exists is written under its key: one its owner is serving right now waits for the
-        -- next ingest (no waiting), and so do those past the first 1,000 keys of this ingest
-        -- (each key holds a slot of the lock table until commit: 100,000 of them made every
-        -- ingest fail with `out of shared memory`).
         v_lane := {schema}.lane_get_v1(r.queue, r.channel);
         IF v_lane.id IS NOT NULL THEN
-            IF v_keys >= 1000
+            IF keys >= 1000
                OR NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.channel)) THEN
                 -- (appended in place, element by element: `||` would copy the arrays at each)
-                FOR v_k IN 1 .. cardinality(r.prios) LOOP
-                    v_np := v_np + 1;
-                    v_pq[v_np] := r.queue;
-                    v_pc[v_np] := r.channel;
-                    v_pp[v_np] := r.prios[v_k];
-                    v_pa[v_np] := r.pos_at[v_k];
-                    v_pi[v_np] := r.pos_id[v_k];
+                FOR v_head IN 1 .. cardinality(r.prios) LOOP
+                    v_pending := v_pending + 1;
+                    pend_queue[v_pending] := r.queue;
+                    pend_channel[v_pending] := r.channel;
+                    pend_prio[v_pending] := r.prios[v_head];
+                    pend_at[v_pending] := r.pos_at[v_head];
+                    pend_id[v_pending] := r.pos_id[v_head];
                 END LOOP;
                 CONTINUE;
             END IF;
-            v_keys := v_keys + 1;
+            keys := keys + 1;
             -- (again, under the key: its owner may have written a newer version meanwhile)
             v_lane := {schema}.lane_get_v1(r.queue, r.channel);
         END IF;
@@ -197,7 +247,7 @@ BEGIN
         IF v_lane.id IS NULL THEN
             SELECT l.max_concurrency IS NOT NULL OR l.rate_count IS NOT NULL INTO v_limited
             FROM {schema}.channel_limits_v2(r.queue, r.channel) l;
-            v_put := ROW(NULL, r.queue, r.channel, NULL, '-infinity', v_now, v_limited,
+            v_put := ROW(NULL, r.queue, r.channel, NULL, '-infinity', p_now, v_limited,
                          '{{}}', '{{}}', '{{}}', NULL)::{schema}.lane;
         END IF;
         SELECT * INTO v_merged FROM {schema}.positions_merge_v1(v_put, r.prios, r.pos_at, r.pos_id);
@@ -205,7 +255,7 @@ BEGIN
         v_put.pos_at := v_merged.pos_at;
         v_put.pos_id := v_merged.pos_id;
         -- (a rated lane out of tokens: not before its next one)
-        v_at := GREATEST(r.due, v_put.served_at, v_tf, v_put.not_before);
+        v_at := GREATEST(r.due, v_put.served_at, v_turn_from, v_put.not_before);
         IF v_put.turn_at IS NOT NULL THEN
             v_put.turn_at := LEAST(v_put.turn_at, v_at);
         ELSE
@@ -226,16 +276,27 @@ BEGIN
             PERFORM {schema}.lane_put_v1(v_lane.id, v_put);
         END IF;
     END LOOP;
+END;
+$$;
 
-    v_new.pend_queue := v_pq;
-    v_new.pend_channel := v_pc;
-    v_new.pend_prio := v_pp;
-    v_new.pend_at := v_pa;
-    v_new.pend_id := v_pi;
-
-    -- channels that got a slot back while at their max_concurrency: their lanes' turn again
-    -- (the lane, then the channel row: the order of the dequeue; an ack locks only the row)
-    -- (a lane being served, or a row an ack holds, waits for the next ingest)
+-- Ingest, step 2: channels that got a slot back while at their max_concurrency (`freed`):
+-- their lanes' turn again (the lane, then the channel row: the order of the dequeue; an ack
+-- locks only the row). A lane being served, a row an ack holds, and those past 1,000 lane
+-- keys for the ingest (p_keys: those it took already) wait for the next ingest.
+CREATE FUNCTION {schema}.ingest_freed_v1(
+    p_old {schema}.discovery, p_snap pg_snapshot, p_keys integer
+)
+RETURNS void
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    r record;
+    v_keys integer := p_keys;
+    v_lane {schema}.lane;
+    v_next record;
+    v_max integer;
+    v_in_flight integer;
+    v_at_queue integer;
+BEGIN
     FOR r IN SELECT c.queue, c.name FROM {schema}.channel c WHERE c.freed ORDER BY c.queue, c.name LOOP
         EXIT WHEN v_keys >= 1000;
         CONTINUE WHEN NOT pg_try_advisory_xact_lock({schema}.lane_key_v1(r.queue, r.name));
@@ -247,11 +308,12 @@ BEGIN
         IF v_lane.id IS NOT NULL AND v_lane.turn_at IS NULL THEN
             SELECT l.max_concurrency INTO v_max FROM {schema}.channel_limits_v1(r.queue, r.name) l;
             IF v_max IS NULL OR v_in_flight < v_max THEN
-                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, v_snap);
+                SELECT * INTO v_next FROM {schema}.lane_next_v1(v_lane, p_snap);
                 IF v_next.next_at IS NOT NULL THEN
-                    v_i := array_position(v_old.queues, r.queue);
+                    v_at_queue := array_position(p_old.queues, r.queue);
                     v_lane.turn_at := GREATEST(v_next.next_at, v_lane.served_at, v_lane.not_before,
-                        CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_old.turn_from[v_i] END);
+                        CASE WHEN v_at_queue IS NULL THEN '-infinity'
+                             ELSE p_old.turn_from[v_at_queue] END);
                     PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
                 END IF;
             END IF;
@@ -262,85 +324,84 @@ BEGIN
           AND c.current_size = 0 AND c.current_concurrency = 0
           AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
     END LOOP;
+END;
+$$;
 
-    -- the locks taken or extended since the last ingest: per queue, the earliest (and its
-    -- message) lowers the queue's next expiry (every queue known, the caller's or not)
+-- Ingest, steps 3 and 4, on the new state p_new (returned): 3. the locks taken or extended
+-- since the last state (p_new.snap: the tallies of the calls that took them, committed in
+-- p_snap; p_committed: as for ingest_fresh_v1): per queue, the earliest (and its message)
+-- lowers the queue's next expiry (every queue known, the caller's or not); 4. the scan
+-- positions of the queues of p_queues (a queue not known yet is added).
+CREATE FUNCTION {schema}.ingest_positions_v1(
+    p_new {schema}.discovery, p_queues text[], p_snap pg_snapshot, p_committed xid8[],
+    p_now timestamptz
+)
+RETURNS {schema}.discovery
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    r record;
+    v_new {schema}.discovery := p_new;
+    v_queue text;
+    v_at_queue integer;
+    v_at timestamptz;
+    v_next_id bigint;
+BEGIN
     FOR r IN
         SELECT DISTINCT ON (t.queue) t.queue, t.lock_until, t.lock_id
         FROM (
             SELECT t.queue, t.lock_until, t.lock_id FROM {schema}.tally t
-            WHERE t.txid >= pg_snapshot_xmax(v_old.snap) AND t.txid < pg_snapshot_xmax(v_snap)
-              AND pg_visible_in_snapshot(t.txid, v_snap) AND t.lock_until IS NOT NULL
+            WHERE t.txid >= pg_snapshot_xmax(p_new.snap) AND t.txid < pg_snapshot_xmax(p_snap)
+              AND pg_visible_in_snapshot(t.txid, p_snap) AND t.lock_until IS NOT NULL
             UNION ALL
             SELECT t.queue, t.lock_until, t.lock_id FROM {schema}.tally t
-            WHERE t.txid = ANY (v_xip) AND t.lock_until IS NOT NULL
+            WHERE t.txid = ANY (p_committed) AND t.lock_until IS NOT NULL
         ) AS t
         ORDER BY t.queue, t.lock_until, t.lock_id
     LOOP
-        v_i := array_position(v_new.queues, r.queue);
-        IF v_i IS NOT NULL AND (v_new.lock_next[v_i] IS NULL OR r.lock_until < v_new.lock_next[v_i]) THEN
-            v_new.lock_next[v_i] := r.lock_until;
-            v_new.lock_id[v_i] := r.lock_id;
+        v_at_queue := array_position(v_new.queues, r.queue);
+        IF v_at_queue IS NOT NULL AND (v_new.lock_next[v_at_queue] IS NULL
+                                       OR r.lock_until < v_new.lock_next[v_at_queue]) THEN
+            v_new.lock_next[v_at_queue] := r.lock_until;
+            v_new.lock_id[v_at_queue] := r.lock_id;
         END IF;
     END LOOP;
 
-    -- scan positions of the caller's queues
-    FOREACH v_q IN ARRAY ARRAY(SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) ORDER BY u.q) LOOP
-        v_i := array_position(v_new.queues, v_q);
-        IF v_i IS NULL THEN
-            v_new.queues := v_new.queues || v_q;
+    FOREACH v_queue IN ARRAY ARRAY(SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) ORDER BY u.q) LOOP
+        v_at_queue := array_position(v_new.queues, v_queue);
+        IF v_at_queue IS NULL THEN
+            v_new.queues := v_new.queues || v_queue;
             v_new.turn_from := v_new.turn_from || '-infinity'::timestamptz;
             v_new.lock_from := v_new.lock_from || '-infinity'::timestamptz;
             v_new.lock_next := v_new.lock_next || '-infinity'::timestamptz;
             v_new.lock_id := v_new.lock_id || NULL::bigint;
-            v_i := cardinality(v_new.queues);
+            v_at_queue := cardinality(v_new.queues);
         END IF;
         -- no live turn of the queue is earlier than the first one found from the old position
         -- (every later turn is written at or after its writer's clock, or by an ingest)
-        v_new.turn_from[v_i] := LEAST(v_now, coalesce((
+        v_new.turn_from[v_at_queue] := LEAST(p_now, coalesce((
             SELECT l.turn_at FROM {schema}.lane l
-            WHERE l.queue = v_q AND l.turn_at >= v_new.turn_from[v_i]
-            ORDER BY l.turn_at, l.id LIMIT 1), v_now));
+            WHERE l.queue = v_queue AND l.turn_at >= v_new.turn_from[v_at_queue]
+            ORDER BY l.turn_at, l.id LIMIT 1), p_now));
         -- locks that expired and are not handled yet, else now
-        v_new.lock_from[v_i] := coalesce((
+        v_new.lock_from[v_at_queue] := coalesce((
             SELECT m.locked_until FROM {schema}.message m
-            WHERE m.queue = v_q AND m.locked_until >= v_new.lock_from[v_i]
-              AND m.locked_until <= v_now
-            ORDER BY m.locked_until LIMIT 1), v_now);
+            WHERE m.queue = v_queue AND m.locked_until >= v_new.lock_from[v_at_queue]
+              AND m.locked_until <= p_now
+            ORDER BY m.locked_until LIMIT 1), p_now);
         -- the next lock expiry: while the message named still has it, it is the next one;
         -- else (acked, extended, taken over) the first live lock from it on (the entries
         -- between, of acked messages, are walked about once: the bound moves on past them)
-        IF v_new.lock_next[v_i] IS NOT NULL AND NOT EXISTS (
+        IF v_new.lock_next[v_at_queue] IS NOT NULL AND NOT EXISTS (
             SELECT 1 FROM {schema}.message m
-            WHERE m.id = v_new.lock_id[v_i] AND m.queue = v_q
-              AND m.locked_until = v_new.lock_next[v_i]) THEN
+            WHERE m.id = v_new.lock_id[v_at_queue] AND m.queue = v_queue
+              AND m.locked_until = v_new.lock_next[v_at_queue]) THEN
             SELECT m.locked_until, m.id INTO v_at, v_next_id FROM {schema}.message m
-            WHERE m.queue = v_q AND m.locked_until >= v_new.lock_next[v_i]
+            WHERE m.queue = v_queue AND m.locked_until >= v_new.lock_next[v_at_queue]
             ORDER BY m.locked_until LIMIT 1;
-            v_new.lock_next[v_i] := v_at;  -- (NULL: no lock)
-            v_new.lock_id[v_i] := v_next_id;
+            v_new.lock_next[v_at_queue] := v_at;  -- (NULL: no lock)
+            v_new.lock_id[v_at_queue] := v_next_id;
         END IF;
     END LOOP;
-
-    v_fold := p_fold OR v_old.folded_at < v_now - interval '1 second';
-    IF v_fold THEN
-        PERFORM {schema}.fold_v1(v_old.folded, v_snap, v_cq, v_cc, v_cn);
-        v_new.folded := v_snap;
-        v_new.folded_at := v_now;
-    ELSIF cardinality(v_cq) > 0 THEN
-        INSERT INTO {schema}.tally (queue, channel, enqueued)
-        SELECT * FROM unnest(v_cq, v_cc, v_cn);
-    END IF;
-    v_new.snap := v_snap;
-    v_new.taken_at := v_now;
-    INSERT INTO {schema}.discovery
-        (snap, folded, taken_at, folded_at, queues, turn_from, lock_from, lock_next, lock_id,
-         expire_from, pend_queue, pend_channel, pend_prio, pend_at, pend_id)
-    VALUES (v_new.snap, v_new.folded, v_new.taken_at, v_new.folded_at, v_new.queues,
-            v_new.turn_from, v_new.lock_from, v_new.lock_next, v_new.lock_id, v_new.expire_from,
-            v_new.pend_queue, v_new.pend_channel, v_new.pend_prio, v_new.pend_at, v_new.pend_id)
-    RETURNING * INTO v_new;
-    DELETE FROM {schema}.discovery d WHERE d.id = v_old.id;
     RETURN v_new;
 END;
 $$;

@@ -345,6 +345,57 @@ BEGIN
 END;
 $$;
 
+-- Step 4, what a pass took (p_take) and could not lock (not in p_locked): those past their
+-- time to live deleted (event 'expired'), those delivered max_attempts times dead-lettered;
+-- returns the latter (their dead letters' rows). Tallied here.
+CREATE FUNCTION {schema}.dequeue_leftovers_v1(
+    p_take bigint[], p_locked bigint[], p_now timestamptz
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    message_attempts integer, message_created_at timestamptz
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    r record;
+    v_poison bigint[];
+BEGIN
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked) AND m.expires_at <= p_now
+            RETURNING m.queue, m.channel, m.sized
+        )
+        SELECT g.queue, g.channel, count(*)::integer AS n,
+               count(*) FILTER (WHERE g.sized)::integer AS sized
+        FROM gone g GROUP BY g.queue, g.channel
+    LOOP
+        INSERT INTO {schema}.tally (queue, channel, expired) VALUES (r.queue, r.channel, r.n);
+        IF r.sized > 0 THEN
+            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, r.sized, 0);
+        END IF;
+    END LOOP;
+    v_poison := ARRAY(
+        SELECT m.id FROM {schema}.message m
+        WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked) AND m.locked_until IS NULL
+        ORDER BY m.id);
+    IF cardinality(v_poison) > 0 THEN
+        RETURN QUERY
+            WITH b AS MATERIALIZED (
+                SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts')
+            ), tallied AS (
+                INSERT INTO {schema}.tally (queue, channel, dead)
+                SELECT b.queue_name, b.channel_name, count(*)
+                FROM b GROUP BY b.queue_name, b.channel_name
+            )
+            SELECT b.message_id, b.queue_name, b.channel_name, b.message_name,
+                   b.message_attempts, b.message_created_at
+            FROM b;
+    END IF;
+END;
+$$;
+
 -- Step 4, the lanes of a call (the first p_n of p_cands): each is owned when the call gets
 -- its key; one without limits may give up to p_left (owned or not), one with limits only to
 -- its owner, within its channel's headroom (channel_headroom_v2; a busy channel row: not
@@ -687,7 +738,6 @@ DECLARE
     v_qtf timestamptz[];
     v_qlf timestamptz[];
     v_expired boolean;
-    v_poison bigint[];
     -- lanes, and per lane: owned, cap, max_concurrency, taken, more due, done
     v_cands {schema}.lane[];
     v_own boolean[];
@@ -900,6 +950,10 @@ BEGIN
             PERFORM set_config('lonnymq.fresh', '', false);
             v_d := {schema}.ingest_wait_v1(p_queues);
             v_ingested := true;
+            -- (a caller that sleeps on its own, p_listen false, is not ingested for again in
+            -- step 6: this ingest waited for any other already; one that sleeps here is, after
+            -- it registers as sleeping)
+            v_waited := NOT p_listen;
             v_now := clock_timestamp();
         ELSIF NOT v_ingested
            AND (v_d.taken_at < v_now - interval '10 milliseconds'
@@ -1127,36 +1181,12 @@ BEGIN
                     v_lock_id := v_locked[1];
                 END IF;
                 IF cardinality(v_locked) < cardinality(v_take) THEN
-                    -- past their time to live: deleted
-                    FOR r IN
-                        DELETE FROM {schema}.message m
-                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.expires_at <= v_now
-                        RETURNING m.id, m.queue, m.channel, m.sized
-                    LOOP
-                        e_q := e_q || r.queue;
-                        e_c := e_c || r.channel;
-                        e_k := e_k || 'expired'::text;
-                        IF r.sized THEN
-                            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, 1, 0);
-                        END IF;
+                    FOR r IN SELECT * FROM {schema}.dequeue_leftovers_v1(v_take, v_locked, v_now) AS x LOOP
+                        v_dead := v_dead + 1;
+                        RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name,
+                            r.message_name, NULL::smallint, r.message_attempts, NULL::uuid,
+                            r.message_created_at, NULL::bytea, NULL::bytea, NULL::bigint, 'dead';
                     END LOOP;
-                    -- delivered max_attempts times: dead-lettered
-                    v_poison := ARRAY(
-                        SELECT m.id FROM {schema}.message m
-                        WHERE m.id = ANY (v_take) AND m.id <> ALL (v_locked) AND m.locked_until IS NULL
-                        ORDER BY m.id);
-                    IF cardinality(v_poison) > 0 THEN
-                        FOR r IN SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts') AS b LOOP
-                            v_dead := v_dead + 1;
-                            e_q := e_q || r.queue_name;
-                            e_c := e_c || r.channel_name;
-                            e_k := e_k || 'dead'::text;
-                            RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name,
-                                r.message_name, NULL::smallint, r.message_attempts, NULL::uuid,
-                                r.message_created_at, NULL::bytea, NULL::bytea, NULL::bigint,
-                                'dead'::text;
-                        END LOOP;
-                    END IF;
                 END IF;
             END LOOP;
 
@@ -1198,16 +1228,11 @@ BEGIN
     -- the tally of this call: one row per channel (one channel, the usual case, without an
     -- aggregate)
     IF cardinality(e_q) > 0 AND e_q <@ ARRAY[e_q[1]] AND e_c <@ ARRAY[e_c[1]] THEN
-        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
-                                    dead_held, lock_until, lock_id)
+        INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
         VALUES (e_q[1], e_c[1], cardinality(array_positions(e_k, 'delivered')),
-                cardinality(array_positions(e_k, 'redelivered')),
                 cardinality(array_positions(e_k, 'acked')),
-                cardinality(array_positions(e_k, 'expired')),
-                cardinality(array_positions(e_k, 'dead')),
-                cardinality(array_positions(e_k, 'dead_held')),
-                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_until END,
-                CASE WHEN 'delivered' = ANY (e_k) OR 'redelivered' = ANY (e_k) THEN v_lock_id END);
+                CASE WHEN 'delivered' = ANY (e_k) THEN v_lock_until END,
+                CASE WHEN 'delivered' = ANY (e_k) THEN v_lock_id END);
     ELSIF cardinality(e_q) > 0 THEN
         PERFORM {schema}.tally_events_v1(e_q, e_c, e_k, v_lock_until, v_lock_id);
     END IF;
