@@ -264,7 +264,7 @@ EXPECTED_STATEMENTS = {
     "lane_heads_v1": "LIMIT u.quota + 1 FOR UPDATE SKIP LOCKED",
     "message_dequeue_v3 (lock the taken messages)": "WHERE m.id = ANY (v_take)",
     "message_dequeue_v3 (acks)": "m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]",
-    "message_dequeue_v3 (tally)": "cardinality(array_positions(e_k, 'delivered'))",
+    "message_dequeue_v3 (tally)": "cardinality(array_positions(v_ev_kind, 'delivered'))",
     "tally_events_v1": "FROM unnest(p_q, p_c, p_k)",
     "lane_advance_v1": "(m.dequeue_at, m.id) >= (p_lane.pos_at[1], p_lane.pos_id[1])",
     "ingest_fresh_v1 (what committed since)": "WITH fresh AS MATERIALIZED",

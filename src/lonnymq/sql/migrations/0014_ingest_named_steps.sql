@@ -12,8 +12,9 @@
 -- of step 4 could not lock (expired, or delivered max_attempts times) is handled by
 -- dequeue_leftovers_v1, which tallies it; a call with p_listen false that ingested first
 -- (its session created, requeued or took without an ingest) does not ingest again before it
--- answers "nothing" (its caller sleeps on its own and looks again once registered). No table
--- changes.
+-- answers "nothing" (its caller sleeps on its own and looks again once registered), and one
+-- that finds no lane due tries the take (dequeue_take_v1) before it reads the ingest's
+-- state. No table changes.
 
 -- Ingest what became ready in transactions that committed since the last snapshot (new
 -- messages, deferred and requeued ones): give their lanes a turn, or an earlier one, and lower
@@ -459,7 +460,7 @@ DECLARE
     v_lock interval := p_lock_ms * interval '1 millisecond';
     v_lock_until timestamptz;
     v_lock_id bigint;
-    v_d {schema}.discovery;
+    v_state {schema}.discovery;
     v_ingested boolean := false;
     v_slept boolean := false;
     v_waited boolean := false;
@@ -467,49 +468,33 @@ DECLARE
     v_busy boolean := false;
     v_got integer := 0;
     v_left integer;
-    v_n integer;
-    v_k integer;
+    v_count integer;  -- the lanes of this look
+    v_at integer;  -- a lane, as its place in v_due
     r record;
-    v_keys text;
+    v_keys text;  -- the sleep keys held
     -- events for the tally: queue, channel, kind
-    e_q text[] := ARRAY[]::text[];
-    e_c text[] := ARRAY[]::text[];
-    e_k text[] := ARRAY[]::text[];
-    -- acks
-    v_gone bigint[];
-    v_gq text[];
-    v_gc text[];
-    v_gs boolean[];
-    v_gl boolean[];
-    -- queues
-    v_qn text[];
-    v_qmax integer[];
-    v_qtf timestamptz[];
-    v_qlf timestamptz[];
+    v_ev_queue text[] := ARRAY[]::text[];
+    v_ev_channel text[] := ARRAY[]::text[];
+    v_ev_kind text[] := ARRAY[]::text[];
+    -- acks: the messages deleted, and of each its queue, channel, sized and slotted
+    v_gone bigint[]; v_ack_queue text[]; v_ack_channel text[];
+    v_ack_sized boolean[]; v_ack_slotted boolean[];
+    -- queues: names, and of each its max_attempts and positions (turns, locks)
+    v_names text[]; v_max_attempts integer[]; v_turn_from timestamptz[]; v_lock_from timestamptz[];
     v_expired boolean;
-    -- lanes, and per lane: owned, cap, max_concurrency, taken, more due, done
-    v_cands {schema}.lane[];
-    v_own boolean[];
-    v_cap integer[];
-    v_room integer[];
-    v_max integer[];
+    -- lanes, and per lane: owned, cap, room, max_concurrency, taken, more due, done
+    v_due {schema}.lane[];
+    v_owned boolean[]; v_cap integer[]; v_room integer[]; v_max integer[];
+    v_taken integer[]; v_more boolean[]; v_done boolean[];
     -- rated lanes: emission interval, burst, tat (at least now) and tokens when the call began
-    v_rt interval[];
-    v_burst integer[];
-    v_tat timestamptz[];
-    v_tok integer[];
-    v_taken integer[];
-    v_more boolean[];
-    v_done boolean[];
-    v_open integer;
+    v_interval interval[]; v_burst integer[]; v_tat timestamptz[]; v_tokens integer[];
+    v_opened integer;
     v_share integer;
     v_passes integer;
     v_lanes integer[];
     v_quota integer[];
     -- a pass's heads: id, lane, rank in lane
-    h_id bigint[];
-    h_lane integer[];
-    h_rn integer[];
+    v_heads bigint[]; v_head_lane integer[]; v_head_rank integer[];
     v_take bigint[];
     v_slotted bigint[];
     v_locked bigint[];
@@ -518,12 +503,12 @@ DECLARE
     v_snap pg_snapshot;
     v_dead integer := 0;
     -- the usual call (step 2): taken without steps 3 to 6; its acks tallied with it
-    v_fast boolean := false;
+    v_served boolean := false;
     v_acked integer;
     v_after_at timestamptz;
     v_after_id bigint := 0;
     v_passed integer := 0;
-    v_one boolean;
+    v_apart boolean;  -- (acks of another channel, tallied apart)
     v_usual boolean;
     i integer;
 BEGIN
@@ -547,7 +532,7 @@ BEGIN
                 RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
             )
             SELECT a.ids, a.queues, a.channels, a.sized, a.slotted, s.lanes, s.heads
-            INTO v_gone, v_gq, v_gc, v_gs, v_gl, v_cands, h_id
+            INTO v_gone, v_ack_queue, v_ack_channel, v_ack_sized, v_ack_slotted, v_due, v_heads
             FROM (SELECT array_agg(g.id) AS ids, array_agg(g.queue) AS queues,
                          array_agg(g.channel) AS channels, array_agg(g.sized) AS sized,
                          array_agg(g.slotted) AS slotted
@@ -606,11 +591,12 @@ BEGIN
             ) AS s ON true;
         END IF;
         IF v_gone IS NOT NULL THEN
-            e_q := v_gq;
-            e_c := v_gc;
-            e_k := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
-            IF true = ANY (v_gs) OR true = ANY (v_gl) THEN
-                PERFORM {schema}.ack_give_back_v1(v_gq, v_gc, v_gs, v_gl);
+            v_ev_queue := v_ack_queue;
+            v_ev_channel := v_ack_channel;
+            v_ev_kind := array_fill('acked'::text, ARRAY[cardinality(v_gone)]);
+            IF true = ANY (v_ack_sized) OR true = ANY (v_ack_slotted) THEN
+                PERFORM {schema}.ack_give_back_v1(v_ack_queue, v_ack_channel, v_ack_sized,
+                                                  v_ack_slotted);
             END IF;
         END IF;
         -- (those that did not apply: a row each)
@@ -624,17 +610,18 @@ BEGIN
 
         -- 2. the usual call, served: its heads locked and returned, and the call tallied, in one
         --    statement. Otherwise steps 2 to 6 run; the heads the read locked, if any, are its own.
-        v_take := h_id[1:p_limit];
+        v_take := v_heads[1:p_limit];
         IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
-            v_fast := true;
-            v_lane := v_cands[1];
+            v_served := true;
+            v_lane := v_due[1];
             v_got := cardinality(v_take);
             -- (tallied in the same statement, with the acks: on the deliveries' row when of the
             -- lane's channel, else on a row of their own when of one channel, else below)
-            v_acked := CASE WHEN v_gq <@ ARRAY[v_lane.queue::text]
-                                 AND v_gc <@ ARRAY[v_lane.channel::text]
+            v_acked := CASE WHEN v_ack_queue <@ ARRAY[v_lane.queue::text]
+                                 AND v_ack_channel <@ ARRAY[v_lane.channel::text]
                             THEN cardinality(v_gone) ELSE 0 END;
-            v_one := v_acked = 0 AND v_gq <@ ARRAY[v_gq[1]] AND v_gc <@ ARRAY[v_gc[1]];
+            v_apart := v_acked = 0 AND v_ack_queue <@ ARRAY[v_ack_queue[1]]
+                AND v_ack_channel <@ ARRAY[v_ack_channel[1]];
             RETURN QUERY
                 WITH locked AS (
                     UPDATE {schema}.message m SET
@@ -649,46 +636,48 @@ BEGIN
                     INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
                     SELECT v_lane.queue, v_lane.channel, v_got, v_acked, v_now + v_lock, v_take[1]
                     UNION ALL
-                    SELECT v_gq[1], v_gc[1], 0, cardinality(v_gone), NULL, NULL WHERE v_one
+                    SELECT v_ack_queue[1], v_ack_channel[1], 0, cardinality(v_gone), NULL, NULL
+                    WHERE v_apart
                 )
                 SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
                        k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
                        'delivered'::text
                 FROM locked k ORDER BY k.dequeue_at, k.id;
-            e_q := CASE WHEN v_acked > 0 OR v_one THEN ARRAY[]::text[] ELSE e_q END;  -- (tallied)
+            -- (tallied)
+            v_ev_queue := CASE WHEN v_acked > 0 OR v_apart THEN ARRAY[]::text[] ELSE v_ev_queue END;
             -- the lane, owned with its key: moved to the back, its position past what was
             -- taken, as in step 5 (unless it is the only one due, has more, and was written a
             -- moment ago), read with the latest snapshot of the ingest
             IF pg_try_advisory_xact_lock({schema}.lane_key_v1(v_lane.queue, v_lane.channel))
-               AND NOT (cardinality(v_cands) = 1 AND cardinality(h_id) > p_limit
+               AND NOT (cardinality(v_due) = 1 AND cardinality(v_heads) > p_limit
                         AND v_lane.served_at > '-infinity'
                         AND v_lane.written_at > v_now - interval '5 milliseconds') THEN
                 PERFORM {schema}.lane_advance_v1(v_lane, clock_timestamp() + interval '1 microsecond');
             END IF;
         END IF;
-        EXIT WHEN v_fast;
-        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        EXIT WHEN v_served;
         -- (the usual call found nothing, as after a wake-up: with no lane due, what woke it
         -- taken without an ingest; else, when the ingest's state was old, ingested and read
         -- again, once; its acks are in, the tally below has them)
-        EXIT WHEN v_ingested OR NOT v_usual OR coalesce(cardinality(h_id), 0) > 0;
-        IF cardinality(v_cands) = 0 THEN
+        IF v_usual AND NOT v_ingested AND cardinality(v_due) = 0 THEN
             RETURN QUERY SELECT * FROM {schema}.dequeue_take_v1(p_queues[1], p_limit, v_lock, v_now);
             GET DIAGNOSTICS v_got = ROW_COUNT;
-            v_fast := v_got > 0;
-            EXIT WHEN v_fast;
+            v_served := v_got > 0;
+            EXIT WHEN v_served;
         END IF;
-        EXIT WHEN (v_cands[1]).limited OR cardinality((v_cands[1]).prios) > 1
-            OR NOT (v_d.taken_at < v_now - interval '10 milliseconds'
-                    OR v_d.folded_at < v_now - interval '1 second'
-                    OR NOT (p_queues <@ v_d.queues));
-        v_d := {schema}.ingest_v1(p_queues, false, false);
+        SELECT * INTO v_state FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        EXIT WHEN v_ingested OR NOT v_usual OR coalesce(cardinality(v_heads), 0) > 0;
+        EXIT WHEN (v_due[1]).limited OR cardinality((v_due[1]).prios) > 1
+            OR NOT (v_state.taken_at < v_now - interval '10 milliseconds'
+                    OR v_state.folded_at < v_now - interval '1 second'
+                    OR NOT (p_queues <@ v_state.queues));
+        v_state := {schema}.ingest_v1(p_queues, false, false);
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
 
     LOOP
-        EXIT WHEN v_fast;
+        EXIT WHEN v_served;
         -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
         --    points from which lanes are read past the versions consumers superseded
         --    meanwhile: dead rows that a snapshot held elsewhere keeps from being vacuumed),
@@ -697,7 +686,7 @@ BEGIN
         --    has no need of the newest ones.
         IF NOT v_ingested AND current_setting('lonnymq.fresh', true) = 'on' THEN
             PERFORM set_config('lonnymq.fresh', '', false);
-            v_d := {schema}.ingest_wait_v1(p_queues);
+            v_state := {schema}.ingest_wait_v1(p_queues);
             v_ingested := true;
             -- (a caller that sleeps on its own, p_listen false, is not ingested for again in
             -- step 6: this ingest waited for any other already; one that sleeps here is, after
@@ -705,28 +694,28 @@ BEGIN
             v_waited := NOT p_listen;
             v_now := clock_timestamp();
         ELSIF NOT v_ingested
-           AND (v_d.taken_at < v_now - interval '10 milliseconds'
-                OR v_d.folded_at < v_now - interval '1 second'
-                OR NOT (p_queues <@ v_d.queues)
+           AND (v_state.taken_at < v_now - interval '10 milliseconds'
+                OR v_state.folded_at < v_now - interval '1 second'
+                OR NOT (p_queues <@ v_state.queues)
                 -- (heads an ingest could not write, their lane being served: soon, not at
                 -- once, or a busy lane would have every call ingest)
-                OR (cardinality(v_d.pend_queue) > 0
-                    AND v_d.taken_at < v_now - interval '5 milliseconds')) THEN
-            v_d := {schema}.ingest_v1(p_queues, false, false);
+                OR (cardinality(v_state.pend_queue) > 0
+                    AND v_state.taken_at < v_now - interval '5 milliseconds')) THEN
+            v_state := {schema}.ingest_v1(p_queues, false, false);
             v_ingested := true;
             v_now := clock_timestamp();
         END IF;
 
         -- the queues, their settings and positions; is there a lock past its expiry?
         SELECT x.names, x.max_attempts, x.turn_from, x.lock_from, x.expired
-        INTO v_qn, v_qmax, v_qtf, v_qlf, v_expired
-        FROM {schema}.dequeue_queues_v1(p_queues, v_d, v_now) AS x;
+        INTO v_names, v_max_attempts, v_turn_from, v_lock_from, v_expired
+        FROM {schema}.dequeue_queues_v1(p_queues, v_state, v_now) AS x;
         v_left := p_limit - v_got;
 
         -- 3. messages whose lock expired: taken over first (or dead-lettered)
         IF v_expired AND v_left > 0 THEN
-            FOR r IN SELECT * FROM {schema}.dequeue_expired_v1(v_qn, v_qlf, v_qmax, v_left, v_now,
-                                                               v_lock) AS x LOOP
+            FOR r IN SELECT * FROM {schema}.dequeue_expired_v1(v_names, v_lock_from, v_max_attempts,
+                                                               v_left, v_now, v_lock) AS x LOOP
                 v_dead := v_dead + (r.event = 'dead')::integer;
                 v_got := v_got + (r.event = 'redelivered')::integer;
                 RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
@@ -739,25 +728,25 @@ BEGIN
 
         -- 4. lanes whose turn it is, oldest turn first (one more than needed, to know
         --    whether another one waits)
-        v_n := 0;
-        IF v_left > 0 AND v_qn IS NOT NULL THEN
+        v_count := 0;
+        IF v_left > 0 AND v_names IS NOT NULL THEN
             -- (the ingest's state is read again in the same statement: a lane version is
             -- never newer than the snapshot its positions are read with)
             -- (due: at most a millisecond from now, so that a lane another consumer has
             -- just moved to the back, at its clock, is due for this one too)
             v_now := clock_timestamp();
-            IF cardinality(v_qn) = 1 THEN
+            IF cardinality(v_names) = 1 THEN
                 SELECT ARRAY(
                     SELECT l FROM {schema}.lane l
-                    WHERE l.queue = v_qn[1]
-                      AND (l.turn_at, l.id) > (coalesce(v_after_at, v_qtf[1]), v_after_id)
+                    WHERE l.queue = v_names[1]
+                      AND (l.turn_at, l.id) > (coalesce(v_after_at, v_turn_from[1]), v_after_id)
                       AND l.turn_at <= v_now + interval '1 millisecond'
                     ORDER BY l.turn_at, l.id LIMIT v_left + 1),
                     (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
-                INTO v_cands, v_snap;
+                INTO v_due, v_snap;
             ELSE
                 SELECT ARRAY(
-                    SELECT x.l FROM unnest(v_qn, v_qtf) AS u(q, tf)
+                    SELECT x.l FROM unnest(v_names, v_turn_from) AS u(q, tf)
                     CROSS JOIN LATERAL (
                         SELECT l FROM {schema}.lane l
                         WHERE l.queue = u.q
@@ -768,33 +757,33 @@ BEGIN
                     ) AS x
                     ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
                     (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
-                INTO v_cands, v_snap;
+                INTO v_due, v_snap;
             END IF;
-            v_d.snap := v_snap;
-            v_n := LEAST(cardinality(v_cands), v_left);
+            v_state.snap := v_snap;
+            v_count := LEAST(cardinality(v_due), v_left);
         END IF;
-        IF v_n > 0 THEN
+        IF v_count > 0 THEN
             SELECT c.own, c.cap, c.room, c.max_concurrency, c.rate, c.burst, c.tat, c.tokens
-            INTO v_own, v_cap, v_room, v_max, v_rt, v_burst, v_tat, v_tok
-            FROM {schema}.lanes_claim_v1(v_cands, v_n, v_left, v_now) AS c;
-            v_taken := array_fill(0, ARRAY[v_n]);
-            v_more := array_fill(false, ARRAY[v_n]);
-            v_done := array_fill(false, ARRAY[v_n]);
+            INTO v_owned, v_cap, v_room, v_max, v_interval, v_burst, v_tat, v_tokens
+            FROM {schema}.lanes_claim_v1(v_due, v_count, v_left, v_now) AS c;
+            v_taken := array_fill(0, ARRAY[v_count]);
+            v_more := array_fill(false, ARRAY[v_count]);
+            v_done := array_fill(false, ARRAY[v_count]);
             -- passes: an equal share of what is left to each lane that may give more
             v_passes := 0;
             LOOP
                 v_passes := v_passes + 1;
-                IF v_n = 1 THEN
+                IF v_count = 1 THEN
                     v_lanes := CASE WHEN NOT v_done[1] AND v_cap[1] > v_taken[1]
                                     THEN ARRAY[1] ELSE ARRAY[]::integer[] END;
                 ELSE
-                    v_lanes := ARRAY(SELECT g.i FROM generate_series(1, v_n) AS g(i)
+                    v_lanes := ARRAY(SELECT g.i FROM generate_series(1, v_count) AS g(i)
                                      WHERE NOT v_done[g.i] AND v_cap[g.i] > v_taken[g.i] ORDER BY g.i);
                 END IF;
-                v_open := cardinality(v_lanes);
-                EXIT WHEN v_open = 0 OR v_left <= 0 OR v_passes > 8;
-                v_share := ceil(v_left::numeric / v_open)::integer;
-                IF v_open = 1 THEN
+                v_opened := cardinality(v_lanes);
+                EXIT WHEN v_opened = 0 OR v_left <= 0 OR v_passes > 8;
+                v_share := ceil(v_left::numeric / v_opened)::integer;
+                IF v_opened = 1 THEN
                     v_quota := ARRAY[LEAST(v_share, v_cap[v_lanes[1]] - v_taken[v_lanes[1]])];
                 ELSE
                     v_quota := ARRAY(SELECT LEAST(v_share, v_cap[u.i] - v_taken[u.i])
@@ -802,55 +791,56 @@ BEGIN
                 END IF;
                 -- each lane's head from its positions: due, ingested, not held by anyone; one
                 -- more than its quota tells whether it has more
-                IF v_open = 1 AND cardinality((v_cands[v_lanes[1]]).prios) = 1 THEN
-                    v_k := v_lanes[1];
-                    h_id := ARRAY(
+                IF v_opened = 1 AND cardinality((v_due[v_lanes[1]]).prios) = 1 THEN
+                    v_at := v_lanes[1];
+                    v_heads := ARRAY(
                         SELECT m.id FROM {schema}.message m
-                        WHERE m.queue = (v_cands[v_k]).queue AND m.channel = (v_cands[v_k]).channel
-                          AND m.locked_until IS NULL AND m.priority = ((v_cands[v_k]).prios)[1]
-                          AND (m.dequeue_at, m.id) >= (((v_cands[v_k]).pos_at)[1],
-                                                       ((v_cands[v_k]).pos_id)[1])
+                        WHERE m.queue = (v_due[v_at]).queue AND m.channel = (v_due[v_at]).channel
+                          AND m.locked_until IS NULL AND m.priority = ((v_due[v_at]).prios)[1]
+                          AND (m.dequeue_at, m.id) >= (((v_due[v_at]).pos_at)[1],
+                                                       ((v_due[v_at]).pos_id)[1])
                           AND m.dequeue_at <= v_now
-                          AND pg_visible_in_snapshot(m.txid, v_d.snap)
+                          AND pg_visible_in_snapshot(m.txid, v_state.snap)
                         ORDER BY m.priority DESC, m.dequeue_at, m.id
                         LIMIT v_quota[1] + 1
                         FOR UPDATE SKIP LOCKED);
-                    h_lane := array_fill(v_k, ARRAY[cardinality(h_id)]);
-                    h_rn := ARRAY(SELECT generate_series(1, cardinality(h_id)));
+                    v_head_lane := array_fill(v_at, ARRAY[cardinality(v_heads)]);
+                    v_head_rank := ARRAY(SELECT generate_series(1, cardinality(v_heads)));
                 ELSE
-                SELECT x.ids, x.lanes, x.ranks INTO h_id, h_lane, h_rn
-                FROM {schema}.lane_heads_v1(v_cands, v_lanes, v_quota, v_d.snap, v_now) AS x;
+                SELECT x.ids, x.lanes, x.ranks INTO v_heads, v_head_lane, v_head_rank
+                FROM {schema}.lane_heads_v1(v_due, v_lanes, v_quota, v_state.snap, v_now) AS x;
                 END IF;
-                FOR i IN 1 .. v_open LOOP
-                    v_k := v_lanes[i];
-                    v_more[v_k] := coalesce(array_length(array_positions(h_lane, v_k), 1), 0) > v_quota[i];
-                    IF NOT v_more[v_k] THEN
-                        v_done[v_k] := true;
+                FOR i IN 1 .. v_opened LOOP
+                    v_at := v_lanes[i];
+                    v_more[v_at] :=
+                        coalesce(array_length(array_positions(v_head_lane, v_at), 1), 0) > v_quota[i];
+                    IF NOT v_more[v_at] THEN
+                        v_done[v_at] := true;
                     END IF;
                 END LOOP;
                 -- (the quotas are rounded up: never more than the call has left, in rank order)
-                IF v_open = 1 THEN
-                    v_take := h_id[1:v_quota[1]];
+                IF v_opened = 1 THEN
+                    v_take := v_heads[1:v_quota[1]];
                 ELSE
                     v_take := ARRAY(
-                        SELECT t.id FROM unnest(h_id, h_lane, h_rn) AS t(id, l, rn)
+                        SELECT t.id FROM unnest(v_heads, v_head_lane, v_head_rank) AS t(id, l, rn)
                         JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
                         WHERE t.rn <= u.quota
                         ORDER BY t.rn, t.l LIMIT v_left);
                 END IF;
                 EXIT WHEN coalesce(cardinality(v_take), 0) = 0;
-                IF v_open = 1 THEN
+                IF v_opened = 1 THEN
                     v_slotted := CASE WHEN v_max[v_lanes[1]] IS NOT NULL THEN v_take
                                       ELSE ARRAY[]::bigint[] END;
                 ELSE
                     v_slotted := ARRAY(
-                        SELECT t.id FROM unnest(h_id, h_lane) AS t(id, l)
+                        SELECT t.id FROM unnest(v_heads, v_head_lane) AS t(id, l)
                         WHERE t.id = ANY (v_take) AND v_max[t.l] IS NOT NULL);
                 END IF;
                 -- lock them (by primary key from the array); those past their time to live or
                 -- delivered max_attempts times are left out, and handled below
                 v_locked := ARRAY[]::bigint[];
-                IF v_open = 1 THEN
+                IF v_opened = 1 THEN
                     -- (one lane: its heads are in rank order already)
                     RETURN QUERY
                         WITH locked AS (
@@ -861,7 +851,7 @@ BEGIN
                                 slotted = m.id = ANY (v_slotted)
                             WHERE m.id = ANY (v_take)
                               AND (m.expires_at IS NULL OR m.expires_at > v_now)
-                              AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                              AND m.attempts < v_max_attempts[array_position(v_names, m.queue)]
                             RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
                                       m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
                         )
@@ -876,14 +866,15 @@ BEGIN
                         v_locked := ARRAY(SELECT m.id FROM {schema}.message m
                                           WHERE m.id = ANY (v_take) AND m.lock_token IS NOT NULL);
                     END IF;
-                    v_k := v_lanes[1];
-                    v_taken[v_k] := v_taken[v_k] + cardinality(v_locked);
+                    v_at := v_lanes[1];
+                    v_taken[v_at] := v_taken[v_at] + cardinality(v_locked);
                     IF cardinality(v_locked) > 0 THEN
-                        e_q := e_q || array_fill((v_cands[v_k]).queue::text,
+                        v_ev_queue := v_ev_queue || array_fill((v_due[v_at]).queue::text,
                                                  ARRAY[cardinality(v_locked)]);
-                        e_c := e_c || array_fill((v_cands[v_k]).channel::text,
+                        v_ev_channel := v_ev_channel || array_fill((v_due[v_at]).channel::text,
                                                  ARRAY[cardinality(v_locked)]);
-                        e_k := e_k || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
+                        v_ev_kind := v_ev_kind
+                            || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
                     END IF;
                 ELSE
                 -- (several lanes: in rank order, then lane order; what each gave, in one
@@ -896,7 +887,7 @@ BEGIN
                             attempts = m.attempts + 1,
                             slotted = m.id = ANY (v_slotted)
                         WHERE m.id = ANY (v_take) AND (m.expires_at IS NULL OR m.expires_at > v_now)
-                          AND m.attempts < v_qmax[array_position(v_qn, m.queue)]
+                          AND m.attempts < v_max_attempts[array_position(v_names, m.queue)]
                         RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
                                   m.lock_token, m.created_at, m.content, m.state
                     )
@@ -904,23 +895,24 @@ BEGIN
                            l.lock_token, l.created_at, l.content, l.state, NULL::bigint,
                            'delivered'::text
                     FROM locked l
-                    JOIN unnest(h_id, h_lane, h_rn) AS t(id, l, rn) ON t.id = l.id
+                    JOIN unnest(v_heads, v_head_lane, v_head_rank) AS t(id, l, rn) ON t.id = l.id
                     ORDER BY v_taken[t.l] + t.rn, t.l;
                 GET DIAGNOSTICS v_rows = ROW_COUNT;
                 v_locked := CASE WHEN v_rows = cardinality(v_take) THEN v_take
                     ELSE ARRAY(SELECT m.id FROM {schema}.message m
                                WHERE m.id = ANY (v_take) AND m.lock_token IS NOT NULL) END;
                 SELECT array_agg(v_taken[g.i] + coalesce(c.n, 0) ORDER BY g.i) INTO v_taken
-                FROM generate_series(1, v_n) AS g(i)
-                LEFT JOIN (SELECT t.l, count(*)::integer AS n FROM unnest(h_id, h_lane) AS t(id, l)
+                FROM generate_series(1, v_count) AS g(i)
+                LEFT JOIN (SELECT t.l, count(*)::integer AS n
+                           FROM unnest(v_heads, v_head_lane) AS t(id, l)
                            WHERE t.id = ANY (v_locked) GROUP BY t.l) AS c ON c.l = g.i;
-                e_q := e_q || ARRAY(SELECT (v_cands[t.l]).queue::text
-                                    FROM unnest(h_id, h_lane) AS t(id, l)
+                v_ev_queue := v_ev_queue || ARRAY(SELECT (v_due[t.l]).queue::text
+                                    FROM unnest(v_heads, v_head_lane) AS t(id, l)
                                     WHERE t.id = ANY (v_locked));
-                e_c := e_c || ARRAY(SELECT (v_cands[t.l]).channel::text
-                                    FROM unnest(h_id, h_lane) AS t(id, l)
+                v_ev_channel := v_ev_channel || ARRAY(SELECT (v_due[t.l]).channel::text
+                                    FROM unnest(v_heads, v_head_lane) AS t(id, l)
                                     WHERE t.id = ANY (v_locked));
-                e_k := e_k || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
+                v_ev_kind := v_ev_kind || array_fill('delivered'::text, ARRAY[cardinality(v_locked)]);
                 END IF;
                 v_got := v_got + cardinality(v_locked);
                 v_left := p_limit - v_got;
@@ -930,7 +922,7 @@ BEGIN
                     v_lock_id := v_locked[1];
                 END IF;
                 IF cardinality(v_locked) < cardinality(v_take) THEN
-                    FOR r IN SELECT * FROM {schema}.dequeue_leftovers_v1(v_take, v_locked, v_now) AS x LOOP
+                    FOR r IN SELECT * FROM {schema}.dequeue_leftovers_v1(v_take, v_locked, v_now) LOOP
                         v_dead := v_dead + 1;
                         RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name,
                             r.message_name, NULL::smallint, r.message_attempts, NULL::uuid,
@@ -941,15 +933,15 @@ BEGIN
 
             -- 5. the owned lanes: positions past what they took, the turn to the back (or at
             --    the next due message, or none)
-            PERFORM {schema}.lanes_served_v1(v_cands, v_n, v_own, v_taken, v_more, v_max,
-                                             v_room, v_rt, v_tat, v_tok, v_burst, v_now);
+            PERFORM {schema}.lanes_served_v1(v_due, v_count, v_owned, v_taken, v_more, v_max,
+                                             v_room, v_interval, v_tat, v_tokens, v_burst, v_now);
             -- (nothing from these lanes, their heads held by other calls, say: the next look
             -- starts after them (v_after_*), at once when another lane is due, up to 8 times)
             IF v_got = 0 THEN
-                v_after_at := (v_cands[v_n]).turn_at;
-                v_after_id := (v_cands[v_n]).id;
+                v_after_at := (v_due[v_count]).turn_at;
+                v_after_id := (v_due[v_count]).id;
                 v_passed := v_passed + 1;
-                CONTINUE WHEN cardinality(v_cands) > v_n AND v_passed <= 8;
+                CONTINUE WHEN cardinality(v_due) > v_count AND v_passed <= 8;
             END IF;
         END IF;
         EXIT WHEN v_got > 0;
@@ -969,26 +961,27 @@ BEGIN
         -- would send this caller to sleep while messages wait)
         EXIT WHEN v_waited;
         v_waited := true;
-        v_d := {schema}.ingest_wait_v1(p_queues);
+        v_state := {schema}.ingest_wait_v1(p_queues);
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
 
     -- the tally of this call: one row per channel (one channel, the usual case, without an
     -- aggregate)
-    IF cardinality(e_q) > 0 AND e_q <@ ARRAY[e_q[1]] AND e_c <@ ARRAY[e_c[1]] THEN
+    IF cardinality(v_ev_queue) > 0 AND v_ev_queue <@ ARRAY[v_ev_queue[1]]
+       AND v_ev_channel <@ ARRAY[v_ev_channel[1]] THEN
         INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
-        VALUES (e_q[1], e_c[1], cardinality(array_positions(e_k, 'delivered')),
-                cardinality(array_positions(e_k, 'acked')),
-                CASE WHEN 'delivered' = ANY (e_k) THEN v_lock_until END,
-                CASE WHEN 'delivered' = ANY (e_k) THEN v_lock_id END);
-    ELSIF cardinality(e_q) > 0 THEN
-        PERFORM {schema}.tally_events_v1(e_q, e_c, e_k, v_lock_until, v_lock_id);
+        VALUES (v_ev_queue[1], v_ev_channel[1], cardinality(array_positions(v_ev_kind, 'delivered')),
+                cardinality(array_positions(v_ev_kind, 'acked')),
+                CASE WHEN 'delivered' = ANY (v_ev_kind) THEN v_lock_until END,
+                CASE WHEN 'delivered' = ANY (v_ev_kind) THEN v_lock_id END);
+    ELSIF cardinality(v_ev_queue) > 0 THEN
+        PERFORM {schema}.tally_events_v1(v_ev_queue, v_ev_channel, v_ev_kind, v_lock_until, v_lock_id);
     END IF;
 
     IF v_got = 0 THEN
         -- (after dead-lettering, look again at once: what comes next may be deliverable)
-        v_retry := CASE WHEN v_dead > 0 THEN 0 ELSE {schema}.queue_retry_ms_v1(p_queues, v_d) END;
+        v_retry := CASE WHEN v_dead > 0 THEN 0 ELSE {schema}.queue_retry_ms_v1(p_queues, v_state) END;
         IF v_busy THEN
             v_retry := LEAST(coalesce(v_retry, 20), 20);
         END IF;
