@@ -336,6 +336,50 @@ def test_full_channel_raises_at_publish(connection: Connection, conn: Conn, sche
     simple.close()
 
 
+def test_a_declare_answers_what_waits_in_every_state(
+    connection: Connection, connect: Callable[..., Conn], schema: str
+) -> None:
+    """A declare's message_count (and in-flight count) read from every source the counts
+    have: messages not ingested yet (committed after the ingest's snapshot, and in a
+    transaction that was running in it), tallies not folded yet, folded counts; the same
+    as the sums of channel_totals_v1 at each step."""
+    s = sql.Identifier(schema)
+    admin = connect()
+    reference = sql.SQL(
+        "SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged"
+        " - (t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held"
+        " - t.removed_held)), 0), coalesce(sum(t.delivered - t.redelivered - t.acked"
+        " - t.deferred - t.dead_held - t.removed_held), 0) FROM {}.channel_totals_v1('counted') t"
+    ).format(s)
+    declare = sql.SQL("SELECT * FROM {}.queue_declare_v2('counted', NULL, NULL, false, NULL)")
+
+    def both(expected: tuple[int, int]) -> None:
+        assert connection.default_channel.queue_declare("counted").message_count == expected[0]
+        assert admin.execute(declare.format(s)).fetchone() == expected
+        assert admin.execute(reference).fetchone() == expected
+
+    both((0, 0))
+    producer = connection.Producer()
+    for i in range(3):  # not ingested yet
+        producer.publish(i, routing_key="counted", headers={"x-channel": f"t{i % 2}"})
+    both((3, 0))
+    held = connection.default_channel.basic_get("counted", no_ack=False)  # ingested, one held
+    assert held is not None
+    both((2, 1))
+    # a publish in a transaction that is running while an ingest takes its snapshot
+    publisher = connect()
+    with lonnymq.transaction(publisher):
+        producer.publish("late", routing_key="counted")  # (on the caller's connection)
+        admin.execute(sql.SQL("SELECT {}.ingest_v1(ARRAY['counted'], true, false)").format(s))
+        both((2, 1))
+    both((3, 1))
+    admin.execute(sql.SQL("SELECT {}.ingest_v1(ARRAY['counted'], true, true)").format(s))
+    both((3, 1))  # folded
+    held.ack()
+    connection.default_channel.basic_get("counted", no_ack=True)
+    both((2, 0))
+
+
 def test_purge_size_delete(connection: Connection) -> None:
     channel = connection.default_channel
     channel.queue_declare("admin")

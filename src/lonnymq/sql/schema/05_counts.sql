@@ -54,6 +54,52 @@ LANGUAGE sql STABLE AS $$
     GROUP BY p.queue, p.channel
 $$;
 
+-- The messages waiting (ready and delayed) and in flight of one queue, as the sums of
+-- channel_totals_v1(p_queue) (the same sources and arithmetic), for a declare's answer.
+-- plpgsql with a generic plan kept for the session: the same read inlined from the SQL
+-- function was planned afresh at every call (its `p_queue IS NULL OR` rules out a generic
+-- plan), 0.6 ms of a declare's 0.75 ms after a pause; Celery's rpc:// client declares its
+-- reply queue before every task it sends.
+CREATE FUNCTION {schema}.queue_totals_v1(p_queue text, OUT waiting bigint, OUT in_flight bigint)
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+BEGIN
+    WITH d AS MATERIALIZED (
+        SELECT * FROM {schema}.discovery ORDER BY id DESC LIMIT 1
+    ), p AS (
+        SELECT cc.enqueued, cc.delivered, cc.redelivered, cc.acked, cc.deferred, cc.dead,
+               cc.dead_held, cc.expired, cc.removed, cc.removed_held, cc.purged
+        FROM {schema}.channel_count cc WHERE cc.queue = p_queue
+        UNION ALL
+        SELECT t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred, t.dead, t.dead_held,
+               t.expired, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid >= pg_snapshot_xmax(d.folded) AND t.queue = p_queue
+        UNION ALL
+        SELECT t.enqueued, t.delivered, t.redelivered, t.acked, t.deferred, t.dead, t.dead_held,
+               t.expired, t.removed, t.removed_held, t.purged
+        FROM d, {schema}.tally t
+        WHERE t.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.folded))) AND t.queue = p_queue
+        UNION ALL
+        SELECT 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL AND m.arrival = 0
+          AND m.queue = p_queue
+        UNION ALL
+        SELECT 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+        FROM d, {schema}.message m
+        WHERE m.txid = ANY (ARRAY(SELECT pg_snapshot_xip(d.snap))) AND m.lock_token IS NULL
+          AND m.arrival = 0 AND m.queue = p_queue
+    )
+    SELECT coalesce(sum(p.enqueued - p.acked - p.dead - p.expired - p.removed - p.purged
+                        - (p.delivered - p.redelivered - p.acked - p.deferred - p.dead_held
+                           - p.removed_held)), 0),
+           coalesce(sum(p.delivered - p.redelivered - p.acked - p.deferred - p.dead_held
+                        - p.removed_held), 0)
+    INTO waiting, in_flight
+    FROM p;
+END;
+$$;
+
 -- Ready and delayed messages of p_queue (NULL: every queue) and the oldest ready one, read
 -- from the lanes' positions (never from the start of an index) and from what is not ingested
 -- yet. O(messages waiting).

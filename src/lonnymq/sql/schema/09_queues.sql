@@ -24,32 +24,39 @@ BEGIN
       AND (q.expires_ms IS DISTINCT FROM p_expires_ms
            OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
            OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
-    SELECT coalesce(sum(t.enqueued - t.acked - t.dead - t.expired - t.removed - t.purged
-                        - (t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
-                           - t.removed_held)), 0),
-           coalesce(sum(t.delivered - t.redelivered - t.acked - t.deferred - t.dead_held
-                        - t.removed_held), 0)
-    INTO waiting, in_flight
-    FROM {schema}.channel_totals_v1(p_queue) AS t;
+    SELECT t.waiting, t.in_flight INTO waiting, in_flight FROM {schema}.queue_totals_v1(p_queue) AS t;
 END;
 $$;
 
 -- Declare a queue with kombu's arguments: as queue_declare_v1, and auto_delete (the queue
 -- goes when its last consumer does) and max_priority (a message's priority above it is
--- stored as it). A declare brings back a queue that went (queue_gone).
+-- stored as it). A declare brings back a queue that went (queue_gone). (One statement writes
+-- the queue's row, and only when something changed or a queue with an expiry was last used
+-- more than a second ago: Celery's rpc:// client declares its reply queue before every task
+-- it sends.)
 CREATE FUNCTION {schema}.queue_declare_v2(
     p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint, p_auto_delete boolean,
     p_max_priority integer, OUT waiting bigint, OUT in_flight bigint
 )
 LANGUAGE plpgsql AS $$
+DECLARE
+    v_queue_id integer;
 BEGIN
-    SELECT d.waiting, d.in_flight INTO waiting, in_flight
-    FROM {schema}.queue_declare_v1(p_queue, p_expires_ms, p_message_ttl_ms) AS d;
-    UPDATE {schema}.queue q SET auto_delete = p_auto_delete, max_priority = p_max_priority
-    WHERE q.name = p_queue
-      AND (q.auto_delete IS DISTINCT FROM p_auto_delete
-           OR q.max_priority IS DISTINCT FROM p_max_priority);
+    v_queue_id := {schema}.queue_ensure_v1(p_queue);
+    UPDATE {schema}.queue q SET
+        expires_ms = p_expires_ms,
+        message_ttl_ms = p_message_ttl_ms,
+        auto_delete = p_auto_delete,
+        max_priority = p_max_priority,
+        used_at = clock_timestamp()
+    WHERE q.id = v_queue_id
+      AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+           OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+           OR q.auto_delete IS DISTINCT FROM p_auto_delete
+           OR q.max_priority IS DISTINCT FROM p_max_priority
+           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
     DELETE FROM {schema}.queue_gone g WHERE g.name = p_queue;
+    SELECT t.waiting, t.in_flight INTO waiting, in_flight FROM {schema}.queue_totals_v1(p_queue) AS t;
 END;
 $$;
 
