@@ -42,10 +42,11 @@ def drain(
     limit: int = 10,
     stop: Callable[[], bool] = lambda: False,
     spans: list[tuple[float, float]] | None = None,
+    calls: list[tuple[float, float, int]] | None = None,
 ) -> list[tuple[float, lonnymq.Message]]:
     """Dequeue (and ack) as fast as possible for ``seconds``: (monotonic time, message).
     With ``spans``, each message's (call, return) times are added to it: the server granted
-    it somewhere between the two."""
+    it somewhere between the two. With ``calls``, every call's (call, return, messages)."""
     got: list[tuple[float, lonnymq.Message]] = []
     held: list[lonnymq.Message] = []
     end = time.monotonic() + seconds
@@ -57,6 +58,8 @@ def drain(
         got.extend((now, m) for m in held)
         if spans is not None:
             spans.extend((called, now) for _ in held)
+        if calls is not None:
+            calls.append((called, now, len(held)))
         if not held:
             time.sleep(0.001)
     if held:
@@ -275,9 +278,15 @@ def test_a_rate_change_applies_within_one_interval(broker: lonnymq.Broker, conn:
         channel.policy.set(other, rate="20/s", burst=1)
     assert next(conn.notifies(timeout=2, stop_after=1), None) is not None
     start = time.monotonic()
-    got = drain(broker, conn, ["q"], 1.0)
-    # within one interval (50 ms), and the time of the call that delivers it
-    assert got and got[0][0] - start < 0.05 + 0.025, got[0][0] - start
+    calls: list[tuple[float, float, int]] = []
+    got = drain(broker, conn, ["q"], 1.0, calls=calls)
+    # within one interval (50 ms): no call that began after it (and 5 ms for the clocks)
+    # came back empty before the first delivery. (Not timed from the delivering call's
+    # return: under the loaded suite one call took 77 ms, with the token granted in it.)
+    assert got
+    first = next(i for i, c in enumerate(calls) if c[2] > 0)
+    late = [c[0] - start for c in calls[:first] if c[0] - start > 0.05 + 0.005]
+    assert not late, late
     # 20 or 21 (burst 1, then 20/s) when the caller keeps up; at least 15 (of 1/h's 0) when
     # other tests load the machine (17 and 18 seen with the suite in 4 processes)
     assert 15 <= len(got) <= 22, len(got)
