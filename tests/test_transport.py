@@ -351,11 +351,13 @@ def test_a_declare_answers_what_waits_in_every_state(
         " - t.removed_held)), 0), coalesce(sum(t.delivered - t.redelivered - t.acked"
         " - t.deferred - t.dead_held - t.removed_held), 0) FROM {}.channel_totals_v1('counted') t"
     ).format(s)
-    declare = sql.SQL("SELECT * FROM {}.queue_declare_v2('counted', NULL, NULL, false, NULL)")
+    declare = sql.SQL(
+        "SELECT * FROM {}.queue_declare_v2('counted', NULL, NULL, false, NULL)"
+    ).format(s)
 
     def both(expected: tuple[int, int]) -> None:
         assert connection.default_channel.queue_declare("counted").message_count == expected[0]
-        assert admin.execute(declare.format(s)).fetchone() == expected
+        assert admin.execute(declare).fetchone() == expected
         assert admin.execute(reference).fetchone() == expected
 
     both((0, 0))

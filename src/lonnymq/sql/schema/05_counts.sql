@@ -5,7 +5,8 @@
 -- ---------------------------------------------------------------------------------------------
 -- 5. Counts
 -- What is folded plus what is not yet: the gauges and counters. LANGUAGE sql, read by the
--- sql bodies of groups 9 and 12, so before them.
+-- sql bodies of groups 9 and 12, so before them; queue_totals_v1 (a declare's answer) is
+-- plpgsql, for its plan (see there), and reads the same sources as channel_totals_v1.
 -- ---------------------------------------------------------------------------------------------
 
 -- The counts of every channel of p_queue (NULL: of every queue), exact as of this statement:
