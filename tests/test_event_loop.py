@@ -6,6 +6,7 @@ from other threads, a lost LISTEN connection, acks still buffered at close."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -116,6 +117,58 @@ def test_loop_wakes_on_notify(
         run_until(hub, lambda: bool(received), timeout=5)
         run_until(hub, lambda: stats(conn, schema, "wake") == (0, 0))
     assert received[0] - sent < 0.5
+
+
+def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
+) -> None:
+    """An idle consumer woken by a NOTIFY dequeues on the loop's thread (no hand-over to the
+    fetch thread and back: a wake-up's latency); while its fetches bring messages they run
+    on the fetch thread, so the loop goes on meanwhile; idle again, it is back on its own."""
+    connection = make_connection()
+    queue = Queue("wake_inline")
+    queue(connection.default_channel).declare()
+    in_loop(hub, connection)
+    transport = connection.transport
+    fetched: list[tuple[str, int]] = []  # (thread, messages) of each dequeue
+    plain = transport.ack_and_dequeue
+
+    def recorded(queues: list[str], limit: int) -> Any:
+        result = plain(queues, limit)
+        fetched.append((threading.current_thread().name, len(result.messages)))
+        return result
+
+    transport.ack_and_dequeue = recorded
+    received: list[int] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()
+
+    producer = make_connection().Producer()
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=2)
+        deadline = time.monotonic() + 0.3
+        run_until(hub, lambda: time.monotonic() > deadline)  # idle, asleep on the queue
+        assert received == []
+        for turn in range(2):
+            fetched.clear()
+            producer.publish(0, routing_key="wake_inline")
+            run_until(hub, lambda: received == [0], timeout=5)
+            loop_thread = threading.current_thread().name
+            assert fetched[0] == (loop_thread, 1), fetched  # the wake-up's own fetch
+            # a burst while it delivers: fetched beside the loop
+            for i in range(1, 21):
+                producer.publish(i, routing_key="wake_inline")
+            run_until(hub, lambda: len(received) == 21, timeout=10)
+            assert sorted(received) == list(range(21))
+            run_until(hub, lambda: stats(conn, schema, "wake_inline") == (0, 0))
+            # a fetch after one that brought messages runs beside the loop
+            after_busy = [cur for prev, cur in itertools.pairwise(fetched) if prev[1]]
+            assert {name for name, _ in after_busy} == {"lonnymq-fetch"}, (turn, fetched)
+            assert any(n for name, n in after_busy), (turn, fetched)
+            time.sleep(0.3)  # idle again (a NOTIFY meanwhile is read at the next look)
+            received.clear()
 
 
 def test_loop_wakes_for_a_delayed_message_by_timer(
@@ -255,6 +308,7 @@ def test_messages_fetched_but_not_delivered_are_released_at_close(
     consumer.consume()
     looper = connection.transport._looper
     assert looper is not None
+    looper.idle = False  # a busy consumer's fetch: on the fetch thread
     looper.look()  # starts a fetch; the loop is never run, so nothing is delivered
     deadline = time.monotonic() + 10
     while stats(conn, schema, "undelivered") != (5, 5):
@@ -279,6 +333,7 @@ def test_messages_fetched_for_a_channel_closed_meanwhile_are_released(
     consumer.consume()
     looper = connection.transport._looper
     assert looper is not None
+    looper.idle = False  # a busy consumer's fetch: on the fetch thread
     looper.look()
     deadline = time.monotonic() + 10
     while stats(conn, schema, "closed_meanwhile") != (5, 5):

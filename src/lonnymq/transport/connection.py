@@ -150,6 +150,13 @@ class PgClient(_Forkable):
                 raise translate(exc, self.schema) from exc
             _INSTALLED.add(key)
 
+    @property
+    def open(self) -> bool:
+        """The connection is open (a call need not connect first; it may still find it
+        lost)."""
+        conn = self._conn
+        return conn is not None and not conn.closed and not conn.broken
+
     @contextlib.contextmanager
     def locked(self) -> Iterator[psycopg.Connection[Any]]:
         """The connection, held for a multi-statement job (a batch)."""

@@ -12,7 +12,10 @@ A look plans a fetch for every consuming kombu channel (queues, free prefetch wi
 hands it to a fetch thread, which runs the dequeues (each carrying the acks made since the
 last) while the loop goes on feeding the pool; when they are back the thread wakes the loop,
 which delivers the messages on its own thread, as Celery requires (those of different
-channels in the order they were created), and looks again. Before a fetch, the same thread
+channels in the order they were created), and looks again. A consumer whose last fetch
+brought nothing (idle: a NOTIFY, a timer or the poll woke it) fetches on the loop's thread
+instead, at once, when its connection is open: a wake-up does not wait for two thread
+switches, and an idle loop has nothing else to do meanwhile. Before a fetch, the same thread
 takes the ``sleep`` keys of the queues of channels that found nothing and releases those of
 busy ones, on the LISTEN session (see :mod:`.sleep`); after taking a key it looks again. A
 channel asleep on its queues is fetched for only when a NOTIFY names one of them, at its
@@ -95,7 +98,6 @@ class Fetcher(threading.Thread):
         return self.take()
 
     def run(self) -> None:
-        transport = self.transport
         while True:
             with self._cond:
                 while self._batch is None and not self._stopped:
@@ -103,21 +105,28 @@ class Fetcher(threading.Thread):
                 if self._batch is None:
                     return
                 (jobs, change), self._batch = self._batch, None
-            results: list[tuple[ChannelLike, DequeueResult]] = []
-            settled: Settled | None = None
-            error: BaseException | None = None
-            try:
-                if change is not None:
-                    settled = transport.sleep.apply(change)
-                if not jobs:
-                    transport.send_acks(transport.acks.take())
-                results = rounds.run_fetches(transport, jobs)
-            except BaseException as exc:  # raised on the loop's thread
-                error = exc
+            outcome = self.execute(jobs, change)
             with self._cond:
-                self._outcome = (results, error, settled)
+                self._outcome = outcome
                 self._cond.notify_all()
             self.done()
+
+    def execute(self, jobs: list[Job], change: Change | None) -> Outcome:
+        """Run a batch on the calling thread (this one's, or the loop's when no batch is in
+        flight); its errors are returned, to be raised on the loop's thread."""
+        transport = self.transport
+        results: list[tuple[ChannelLike, DequeueResult]] = []
+        settled: Settled | None = None
+        error: BaseException | None = None
+        try:
+            if change is not None:
+                settled = transport.sleep.apply(change)
+            if not jobs:
+                transport.send_acks(transport.acks.take())
+            results = rounds.run_fetches(transport, jobs)
+        except BaseException as exc:  # raised on the loop's thread
+            error = exc
+        return results, error, settled
 
 
 class LoopConsumer:
@@ -137,6 +146,7 @@ class LoopConsumer:
         loop.add_reader(self.waiter.wake_fd, self.on_wake)
         self.poll_timer = loop.call_repeatedly(transport.options.polling_interval, self.on_poll)
         self.closed = False
+        self.idle = True  # the last batch delivered nothing: run the next one on this thread
         self.waiter.wake()  # first look as soon as the loop runs
 
     def want(self, queues: Collection[str] | None = None, *, every: bool = False) -> None:
@@ -202,17 +212,31 @@ class LoopConsumer:
 
     def look(self) -> None:
         """Deliver what a fetch brought back; plan and start the next batch (a change of the
-        sleep keys, fetches); arrange for the next look."""
-        if self.closed:
-            return
+        sleep keys, fetches); arrange for the next look. A consumer whose last batch
+        delivered nothing runs the next one on the loop's thread, at once, when its connection
+        is open (a wake-up: two thread switches less, 0.1-0.3 ms each here); a busy one, or
+        one that must connect first, hands it to the fetch thread, so that the loop goes on
+        feeding the pool meanwhile."""
+        outcome: Outcome | None = None
+        while not self.closed:
+            outcome = self._look(outcome)
+            if outcome is None:
+                return
+
+    def _look(self, outcome: Outcome | None) -> Outcome | None:
+        """One look; returns the outcome of a batch it ran on this thread (to look again
+        with), else None."""
         transport = self.transport
         if not self.owner:
             self.owner = transport.acks.begin()
         retry_ms: int | None = None
-        outcome = self.fetcher.take()
+        inline: Outcome | None = None
+        if outcome is None:
+            outcome = self.fetcher.take()
         if outcome is not None:
             results, error, settled = outcome
-            _, retry_ms, again = rounds.deliver(transport, results)
+            delivered, retry_ms, again = rounds.deliver(transport, results)
+            self.idle = not delivered and not again
             if again:
                 self.want()  # there may be more
             if settled is not None:
@@ -232,7 +256,9 @@ class LoopConsumer:
             if wanted:
                 jobs, wait = rounds.fetch_jobs(transport, wanted)
                 retry_ms = sooner(retry_ms, wait)
-            if jobs or change is not None:
+            if jobs and self.idle and transport.pg.open:
+                inline = self.fetcher.execute(jobs, change)
+            elif jobs or change is not None:
                 self.fetcher.submit(jobs, change)
             elif self.owner and transport.acks.pending() and (retry_ms is None or retry_ms > 5):
                 self.fetcher.submit([])  # no fetch within a few ms to carry them: send them
@@ -243,6 +269,7 @@ class LoopConsumer:
         if due is not None:
             self.retry_in(due - now)
         self.sync_listen()
+        return inline
 
     def retry_in(self, seconds: float) -> None:
         """Look again in ``seconds`` (or sooner, if a look is already due sooner)."""
