@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -327,6 +328,37 @@ def test_a_late_rpc_result_does_not_re_create_a_reply_queue_that_went(
     assert gone == ("auto_delete",)
 
 
+def test_a_publish_does_not_wait_for_the_sweep_it_starts(
+    make_connection: Callable[..., Connection],
+    conn: Conn,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A producer's sweep runs beside the publish that found it due: the publish returns
+    without it (here a sweep held up for 1 s before it runs), the sweep still removes the
+    expired queue, and closing the connection waits for it (no thread left behind)."""
+    from lonnymq.transport.sweep import Sweeper
+
+    real = Sweeper.sweep
+
+    def held_up(self: Sweeper, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.0)
+        return real(self, *args, **kwargs)
+
+    with make_connection(expire_interval=0.1) as c:
+        Queue("reply.slow", expires=0.5)(c.default_channel).declare()
+        c.Producer().publish("x", routing_key="elsewhere")  # (the process's first sweep)
+        time.sleep(0.8)  # > x-expires, > expire_interval
+        monkeypatch.setattr(Sweeper, "sweep", held_up)
+        started = time.monotonic()
+        c.Producer().publish("y", routing_key="elsewhere")
+        assert time.monotonic() - started < 0.5
+        assert queue_row(conn, schema, "reply.slow") is not None
+        wait_for(lambda: queue_row(conn, schema, "reply.slow") is None, 5, "the sweep")
+        c.Producer().publish("z", routing_key="elsewhere")  # starts another one
+    assert not [t for t in threading.enumerate() if t.name == "lonnymq-sweep" and t.is_alive()]
+
+
 def test_a_late_publish_does_not_re_create_a_queue_swept_at_its_expiry(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:
@@ -337,8 +369,8 @@ def test_a_late_publish_does_not_re_create_a_queue_swept_at_its_expiry(
         Queue("reply.late", expires=0.5)(c.default_channel).declare()
         assert queue_row(conn, schema, "reply.late") is not None
         time.sleep(0.8)  # > x-expires
-        c.Producer().publish("x", routing_key="elsewhere")  # sweeps on the way
-        assert queue_row(conn, schema, "reply.late") is None
+        c.Producer().publish("x", routing_key="elsewhere")  # starts a sweep, beside it
+        wait_for(lambda: queue_row(conn, schema, "reply.late") is None, 5, "the sweep")
         gone = conn.execute(
             sql.SQL("SELECT reason FROM {} WHERE name = %s").format(
                 sql.Identifier(schema, "queue_gone")
@@ -445,8 +477,8 @@ def test_queue_of_an_exited_consumer_is_swept_by_a_producer(
         assert messages_of(conn, schema, "gone") == 5
         time.sleep(2.0)  # > x-expires 1.5 s
         assert queue_row(conn, schema, "gone") is not None
-        producer.Producer().publish("x", routing_key="elsewhere")  # sweeps on the way
-        assert queue_row(conn, schema, "gone") is None
+        producer.Producer().publish("x", routing_key="elsewhere")  # starts a sweep, beside it
+        wait_for(lambda: queue_row(conn, schema, "gone") is None, 5, "the sweep")
         assert messages_of(conn, schema, "gone") == 0
 
 

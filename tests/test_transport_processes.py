@@ -40,6 +40,7 @@ from kombu.entity import Exchange, Queue
 
 import lonnymq
 from lonnymq.testing import TempPostgres
+from lonnymq.transport.sweep import join_running
 from tests.conftest import lonnymq_url
 
 #: multi-second tests (Celery workers, processes, servers): not in the fast subset
@@ -741,12 +742,13 @@ def test_producer_with_errback_in_retry_policy_recovers_from_a_cut(
     with Connection(url, transport_options=dict(options)) as kconn:
         Queue("eb", Exchange("eb.direct"), routing_key="e")(kconn.channel()).declare()
         producer = kconn.Producer(serializer="json")
-        # (twice: a producer sweeps the schema on its way back from its first publish, and
+        # (twice: a producer's first publish starts a sweep on the same connection, and
         # the cut finds the producer's connection by its last query, a publish)
         for i in (0, 1):
             producer.publish(
                 {"id": i}, exchange="eb.direct", routing_key="e", retry=True, retry_policy=policy
             )
+            join_running(timeout=5.0)
         assert cut_connections(conn, schema)["producer"] == 1
         producer.publish(
             {"id": 2}, exchange="eb.direct", routing_key="e", retry=True, retry_policy=policy

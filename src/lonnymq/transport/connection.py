@@ -30,7 +30,7 @@ from .. import migrator
 from ..dsn import mask_password
 from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
 from ..queue._ops import Op, run, translate
-from . import pooler
+from . import pooler, sweep
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
@@ -68,7 +68,9 @@ if hasattr(os, "register_at_fork"):
 
 def _close_at_exit() -> None:
     """Close this process's own connections at exit (a producer's kombu connection is often
-    never released), rather than leaving them to finalizers that warn."""
+    never released), rather than leaving them to finalizers that warn; a sweep a publish
+    started is waited for first (see :mod:`.sweep`)."""
+    sweep.join_running(timeout=5.0)
     for item in list(_LIVE):
         with contextlib.suppress(Exception):
             item.close()

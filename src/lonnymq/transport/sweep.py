@@ -11,8 +11,14 @@ It stays cheap when many clients share a schema:
   tried) and when the schema was swept less than ``expire_interval`` ago (the newest
   discovery row's ``expire_from`` is the time of the last sweep that found nothing left to
   do; roles that may not read the table skip only this check);
-- a sweep waits at most a second (a producer's, run on its way back from a publish: 0.2 s)
-  for the locks it needs, then gives up until next time.
+- a sweep waits at most a second (a producer's: 0.2 s) for the locks it needs, then gives up
+  until next time.
+
+A consumer sweeps from its heartbeat thread. A producer starts the sweep when a publish
+finds one due, on a thread of its own (:func:`beside`): the caller of the publish does not
+wait for it (it took 2-10 ms, every ``expire_interval``, on the way back from a publish); a
+process that exits waits for the sweep it started (at most a few seconds), so a short-lived
+producer (a script sending one task) still sweeps.
 
 Roles without ``EXECUTE`` on ``expire_v1`` (the producer kind of :mod:`lonnymq.roles`) do not
 sweep; without ``housekeep_v1`` they do not prune dead letters.
@@ -25,6 +31,8 @@ import os
 import random
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,3 +167,24 @@ def sweeper_for(conninfo: str, schema: str, interval: float) -> Sweeper:
         if sweeper is None or sweeper.interval != interval:
             sweeper = _SWEEPERS[key] = Sweeper(schema, interval)
         return sweeper
+
+
+#: Sweeps running beside their publishers (see :func:`beside`).
+_RUNNING: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def beside(work: Callable[[], None]) -> threading.Thread:
+    """Run ``work`` (a producer's sweep) on a thread of its own, waited for at exit
+    (:func:`join_running`)."""
+    thread = threading.Thread(target=work, name="lonnymq-sweep", daemon=True)
+    _RUNNING.add(thread)
+    thread.start()
+    return thread
+
+
+def join_running(timeout: float) -> None:
+    """Wait for the sweeps running beside their publishers, ``timeout`` seconds at most."""
+    deadline = time.monotonic() + timeout
+    for thread in list(_RUNNING):
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -31,7 +31,7 @@ from .loop import LoopConsumer
 from .options import Options
 from .registry import Registry
 from .sleep import Owed, Settled, SleepKeys, Wanted, sooner
-from .sweep import Sweeper, sweeper_for
+from .sweep import Sweeper, beside, sweeper_for
 
 logger = logging.getLogger("lonnymq.transport")
 _APPLIED: set[tuple[int, str, str, str]] = set()
@@ -97,6 +97,7 @@ class Transport(virtual.Transport):
         self._timer_at: float | None = None
         self._poll_at: float | None = None
         self._heartbeat: Heartbeat | None = None
+        self._sweeping: threading.Thread | None = None  # a sweep a publish started
         self._said_polling = False
         self._policies_applied = False
         self.acks = AckBuffer()
@@ -267,6 +268,9 @@ class Transport(virtual.Transport):
             if self._side_pg is not None:
                 self._side_pg.close()
                 self._side_pg = None
+            if self._sweeping is not None:  # (it would open the connection again)
+                self._sweeping.join(timeout=5.0)
+                self._sweeping = None
             self.pg.close()
 
     @property
@@ -275,15 +279,24 @@ class Transport(virtual.Transport):
 
     def sweep(self, *, background: bool = False) -> None:
         """Sweep what expired in the schema when this process is due to (every
-        ``expire_interval``; see :mod:`.sweep`): from a consumer's background thread, or from a
-        producer on its way back from a publish (then at most 1,000 messages, and at most
-        0.2 s of waiting for locks)."""
+        ``expire_interval``; see :mod:`.sweep`): on a consumer's background thread, or, when
+        a publish finds one due, on a thread of its own that the publish does not wait for
+        (then at most 1,000 messages, and at most 0.2 s of waiting for locks)."""
+        if self._sweeping is not None and self._sweeping.is_alive():
+            return
         sweeper = self.sweeper
         if not sweeper.due():
             return
         limit, lock_ms = (10_000, 1000) if background else (1_000, 200)
-        with contextlib.suppress(LonnyMQError), self.pg.locked() as conn:
-            sweeper.sweep(conn, limit=limit, lock_timeout_ms=lock_ms)
+
+        def work() -> None:
+            with contextlib.suppress(LonnyMQError), self.pg.locked() as conn:
+                sweeper.sweep(conn, limit=limit, lock_timeout_ms=lock_ms)
+
+        if background:
+            work()
+        else:
+            self._sweeping = beside(work)
 
     def touch_seconds(self) -> float:
         """How often a consumer marks the queues it consumes used, so that no sweep takes a
