@@ -66,10 +66,17 @@ def figures_ms(values_s: list[float]) -> dict[str, float]:
 
 @contextlib.contextmanager
 def default_worker(
-    spec: BrokerSpec, qname: str, pool_args: list[str], backend: str | None, log: Path
+    spec: BrokerSpec,
+    qname: str,
+    pool_args: list[str],
+    backend: str | None,
+    log: Path,
+    app_module: str = "celery_wakeup_app",
+    env_extra: dict[str, str] | None = None,
 ) -> Iterator[Any]:
-    """A ``celery worker`` of ``celery_wakeup_app`` on ``qname`` (no ``--without-*`` flag),
-    up (its log says ready) on entry, stopped on exit; yields the app to publish with."""
+    """A ``celery worker`` of ``app_module`` (``celery_wakeup_app`` or a module that wraps
+    it) on ``qname`` (no ``--without-*`` flag), up (its log says ready) on entry, stopped on
+    exit; yields the app to publish with."""
     sys.path.insert(0, str(HERE))
     from celery_wakeup_app import make_app
 
@@ -81,8 +88,9 @@ def default_worker(
         "BENCH_CELERY_QUEUE": qname,
         "BENCH_CELERY_BACKEND": backend or "",
         "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+        **(env_extra or {}),
     }
-    cmd = [sys.executable, "-m", "celery", "-A", "celery_wakeup_app", "worker", *pool_args]
+    cmd = [sys.executable, "-m", "celery", "-A", app_module, "worker", *pool_args]
     cmd += ["-Q", qname, "-n", f"{qname}@%h", "-l", "INFO"]
     with log.open("wb") as out:
         proc = subprocess.Popen(

@@ -91,6 +91,7 @@ def test_separate_fields(pg_dsn: str, schema: str) -> None:
         ({"refill_delay": -1}, "refill_delay"),
         ({"refill_delay": 2}, "refill_delay"),
         ({"consumer_commit": "maybe"}, "consumer_commit"),
+        ({"publish_commit": "later"}, "publish_commit"),
         ({"heartbeat_interval": 10, "visibility_timeout": 5}, "heartbeat_interval"),
     ],
 )
@@ -796,6 +797,51 @@ def test_consumer_commit_async_is_transaction_local(
         assert pg.execute("SHOW synchronous_commit").fetchone() == ("on",)
         assert lonnymq.Broker(schema).queue(f"commit-{mode}").stats(conn).total == 0
         simple.close()
+
+
+def test_publish_commit_flush_after_commits_then_flushes_on_the_same_session(
+    make_connection: Callable[..., Connection],
+    conn: Conn,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``publish_commit="flush_after"`` (the default): the publish commits without the WAL
+    flush's wait (visible to consumers at once), then a transaction with an ID commits on the
+    same session (its flush makes the publish durable) before the publish returns;
+    ``"flush_first"``: one durable statement. Transient messages commit asynchronously
+    either way, and the session's own setting stays durable."""
+    from lonnymq.queue import _ops
+    from lonnymq.transport import connection as tc
+
+    ran: list[tuple[int, bytes]] = []
+    plain = _ops.run
+
+    def recorded(pg: Any, op: Any) -> Any:
+        ran.append((id(pg), op.query))
+        return plain(pg, op)
+
+    monkeypatch.setattr(tc, "run", recorded)
+    for mode in ("flush_after", "flush_first"):
+        c = make_connection(publish_commit=mode)
+        producer = c.Producer()
+        queue = Queue(f"pc-{mode}")
+        producer.publish("warm", routing_key=queue.name, declare=[queue])
+        ran.clear()
+        producer.publish("x", routing_key=queue.name)
+        steps = [query for _, query in ran]
+        if mode == "flush_after":
+            assert len(steps) == 2, steps
+            assert b"synchronous_commit', 'off'" in steps[0] and b"publish" in steps[0]
+            assert steps[1] == b"SELECT pg_current_xact_id()"
+            assert ran[0][0] == ran[1][0]  # the same session
+        else:
+            assert len(steps) == 1 and b"synchronous_commit" not in steps[0], steps
+        ran.clear()
+        producer.publish("t", routing_key=queue.name, delivery_mode=1)  # transient
+        assert [b"synchronous_commit', 'off'" in q for _, q in ran] == [True]
+        assert c.transport.pg.connection().execute("SHOW synchronous_commit").fetchone() == ("on",)
+        assert lonnymq.Broker(schema).queue(queue.name).stats(conn).total == 3
+        c.release()
 
 
 # --------------------------------------------------------------------------------------------

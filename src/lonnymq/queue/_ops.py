@@ -84,6 +84,14 @@ def async_commit(op: Op[T]) -> Op[T]:
     return Op(op.schema, _ASYNC_COMMIT + op.query + b") AS q", op.params, op.parse)
 
 
+def flush_op(schema: str) -> Op[None]:
+    """Wait until every commit before it is flushed to the WAL (durable): a transaction
+    that takes a transaction ID commits synchronously (unless the server's
+    ``synchronous_commit`` is off), and its flush covers the WAL written before it, so an
+    ``async_commit`` of this session before it is durable when it returns."""
+    return Op(schema, b"SELECT pg_current_xact_id()", (), no_result)
+
+
 def translate(exc: Exception, schema: str) -> LonnyMQError:
     """The lonnymq error for a psycopg error."""
     if isinstance(exc, pgerrors.InsufficientPrivilege):

@@ -173,6 +173,18 @@ class PgClient(_Forkable):
         """Run one operation, reconnecting first if the connection was lost."""
         return self._call(lambda conn: run(conn, op))
 
+    def run_flushed(self, op: Op[T], flush: Op[None]) -> T:
+        """Run ``op`` (which commits without waiting for the WAL flush), then ``flush`` on
+        the same session: never on a new one, where a flush would not say whether a server
+        that restarted meanwhile still has what ``op`` did (a lost connection raises)."""
+
+        def both(conn: psycopg.Connection[Any]) -> T:
+            result = run(conn, op)
+            run(conn, flush)
+            return result
+
+        return self._call(both)
+
     def _call(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``work`` on the connection: a lost connection is forgotten (the next call
         reconnects); a schema that went away since this process checked it is installed

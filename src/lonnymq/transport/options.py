@@ -80,6 +80,16 @@ class Options:
     #: commit durably, but for transient messages (delivery_mode 1: Celery's rpc:// replies,
     #: events and broadcasts), which do not wait for the WAL flush.
     consumer_commit: str = "async"
+    #: How a persistent message's publish commits (not in a caller's transaction, see
+    #: lonnymq.transaction): "flush_after" commits without waiting for the WAL flush, so that
+    #: consumers see the message (and a sleeping one is notified) at once, then waits for
+    #: the flush in a second, empty transaction before the publish returns: a publish that
+    #: returned is as durable as with "flush_first", which makes the message visible only
+    #: once its commit is flushed (one transaction). With "flush_after" a consumer may start
+    #: a message before it is flushed; a database crash in that window makes the publish
+    #: raise, and a retried publish runs it again (at-least-once). Costs a transaction ID
+    #: more per publish.
+    publish_commit: str = "flush_after"
     #: Seconds to wait for a connection to Postgres.
     connect_timeout: float | None = None
     #: libpq parameters kombu's Connection has no field for (``{"sslmode": "require"}``,
@@ -154,6 +164,10 @@ class Options:
         _integer("batch_size", self.batch_size, 1, 10_000)
         if self.consumer_commit not in ("async", "sync"):
             raise ConfigurationError('transport option consumer_commit must be "async" or "sync"')
+        if self.publish_commit not in ("flush_after", "flush_first"):
+            raise ConfigurationError(
+                'transport option publish_commit must be "flush_after" or "flush_first"'
+            )
         if self.policies is not None:
             _policies(self.policies)
         _integer("max_message_bytes", self.max_message_bytes, 1, 1024**3)

@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+# mypy: allow-untyped-calls
+"""Where a default Celery worker's idle pickup goes, step by step, beside RabbitMQ.
+
+``bench_brokers.py --only pickup`` gives the time from ``send_task`` to the task's start.
+This splits it: a worker of ``celery_timeline_app`` (Celery's defaults, marks in its main
+process) is idle, tasks are sent ``--gap`` seconds apart, and for each the medians of, from
+just before ``send_task``:
+
+- ``sent``: ``send_task`` returned (the publish: for lonnymq its durable commit);
+- lonnymq only: ``notified`` (the worker read the NOTIFY), ``dequeue`` / ``dequeued`` (the
+  dequeue that brought the task: start, end), ``delivered`` (handed to kombu);
+- ``received``: Celery's consumer has the task message;
+- ``started``: the task runs (in the pool process or thread).
+
+    python benchmarks/bench_timeline.py --brokers lonnymq,rabbitmq --pool prefork --tasks 20
+
+The brokers are ``bench_brokers.py``'s (same URLs and options: RabbitMQ with publisher
+confirms). Clocks: ``time.time`` across the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from bench_brokers import BrokerSpec, delete_queue, make_brokers  # noqa: E402
+from bench_wakeup import default_worker, stamps  # noqa: E402
+
+STEPS = ("sent", "notified", "dequeue", "dequeued", "delivered", "received", "started")
+
+
+def marks_of(path: Path) -> list[tuple[str, float]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().split("\n"):
+        if line:
+            tag, at, _pid = line.split()
+            out.append((tag, float(at)))
+    return out
+
+
+def run(
+    spec: BrokerSpec, pool: str, tasks: int, gap: float, idle: float, tmp: Path
+) -> dict[str, float]:
+    """Per step, the median ms from just before ``send_task``."""
+    qname = f"bench_tl_{uuid.uuid4().hex[:8]}"
+    marks_file, stamp_file = tmp / f"{qname}.marks", tmp / f"{qname}.stamps"
+    pool_args = ["--pool", pool, "-c", "2" if pool == "prefork" else "4"]
+    env = {"BENCH_TIMELINE_MARKS": str(marks_file)}
+    sends: list[tuple[float, float]] = []
+    try:
+        with default_worker(
+            spec, qname, pool_args, None, tmp / f"{qname}.log", "celery_timeline_app", env
+        ) as app:
+            app.send_task("bench.stamp", args=[str(stamp_file), time.time()])  # warm-up
+            deadline = time.monotonic() + 60
+            while not stamps(stamp_file):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the warm-up task did not run")
+                time.sleep(0.05)
+            time.sleep(idle)
+            with app.producer_pool.acquire(block=True) as producer:
+                for _ in range(tasks):
+                    sent = time.time()
+                    app.send_task("bench.stamp", args=[str(stamp_file), sent], producer=producer)
+                    sends.append((sent, time.time()))
+                    time.sleep(gap)
+            deadline = time.monotonic() + 30
+            while len(stamps(stamp_file)) < tasks + 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        delete_queue(spec, qname)
+    started = {round(sent, 6): ran for sent, ran in stamps(stamp_file)[1:]}
+    marks = marks_of(marks_file)
+    steps: dict[str, list[float]] = {step: [] for step in STEPS}
+    for sent, returned in sends:
+        ran = started.get(round(sent, 6))
+        if ran is None:
+            continue
+        steps["sent"].append(returned - sent)
+        steps["started"].append(ran - sent)
+        for tag in STEPS[1:-1]:
+            # the first mark of its kind after the send and before the task ran
+            at = [t for kind, t in marks if kind == tag and sent <= t <= ran]
+            if at:
+                steps[tag].append(min(at) - sent)
+    return {step: statistics.median(v) * 1000 for step, v in steps.items() if v}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--brokers", default="lonnymq,rabbitmq")
+    parser.add_argument("--pool", default="prefork", choices=["prefork", "threads"])
+    parser.add_argument("--tasks", type=int, default=20)
+    parser.add_argument("--gap", type=float, default=0.5, help="seconds between tasks")
+    parser.add_argument("--idle", type=float, default=3.0, help="seconds idle before the first")
+    args = parser.parse_args()
+    specs, missing = make_brokers(args.brokers.split(","), uuid.uuid4().hex[:8])
+    for name, why in missing.items():
+        print(f"{name}: skipped ({why})")
+    results: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_timeline_") as tmp:
+        for spec in specs:
+            results[spec.name] = run(spec, args.pool, args.tasks, args.gap, args.idle, Path(tmp))
+    names = list(results)
+    print(f"pool {args.pool}, {args.tasks} tasks {args.gap} s apart; median ms from send_task")
+    print(f"{'step':<10}" + "".join(f"{n:>12}" for n in names))
+    for step in STEPS:
+        row = [results[n].get(step) for n in names]
+        print(f"{step:<10}" + "".join(f"{'':>12}" if v is None else f"{v:>12.2f}" for v in row))
+
+
+if __name__ == "__main__":
+    main()
