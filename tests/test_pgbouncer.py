@@ -239,6 +239,40 @@ def test_kombu_publishes_through_transaction_pooling(
         assert sorted(consume(consumer, "jobs", 50)) == list(range(50))
 
 
+def test_a_publish_through_a_pooler_commits_durably_in_one_statement(
+    pgbouncer: Callable[..., Bouncer],
+    kombu: Callable[..., Connection],
+    broker: lonnymq.Broker,
+    conn: Conn,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``publish_commit="flush_after"`` commits, then flushes with a second transaction of the
+    same session; a pooler may run the two on different server sessions (of a server that
+    restarted in between, whose flush says nothing of the first), so through one the publish
+    is one durable statement."""
+    from lonnymq.queue import _ops
+    from lonnymq.transport import connection as tc
+
+    queries: list[bytes] = []
+    plain = _ops.run
+
+    def recorded(pg: Any, op: Any) -> Any:
+        queries.append(op.query)
+        return plain(pg, op)
+
+    monkeypatch.setattr(tc, "run", recorded)
+    bouncer = pgbouncer(pool_size=2)
+    with kombu(bouncer.url(), publish_commit="flush_after") as producer:
+        jobs = producer.SimpleQueue("durable")
+        jobs.put({"i": 0})
+        queries.clear()
+        jobs.put({"i": 1})
+        jobs.close()
+    assert len(queries) == 1 and b"message_publish_v1" in queries[0], queries
+    assert b"synchronous_commit" not in queries[0]
+    assert waiting(broker, conn, "durable") == 2
+
+
 def test_celery_delay_through_transaction_pooling(
     pgbouncer: Callable[..., Bouncer], schema: str, broker: lonnymq.Broker, conn: Conn
 ) -> None:

@@ -1085,15 +1085,27 @@ def test_refill_waits_refill_delay_only_when_holding_more_than_half(
         assert more_than_half < 0.15
 
 
+@pytest.mark.parametrize(
+    ("publish_commit", "expected"),
+    [("flush_first", ["off", "on", "on", "on"]), ("flush_after", ["off", "off", "off", "on"])],
+)
 def test_transient_messages_do_not_wait_for_the_wal_flush(
-    make_connection: Callable[..., Connection], conn: Conn, schema: str, pg_dsn: str
+    make_connection: Callable[..., Connection],
+    conn: Conn,
+    schema: str,
+    pg_dsn: str,
+    publish_commit: str,
+    expected: list[str],
 ) -> None:
     """A message published as transient (kombu's delivery_mode 1: Celery's rpc:// replies,
     its events, pidbox broadcasts) commits with synchronous_commit off; a persistent one (the
-    default, or delivery_mode 2) durably, and one published in the caller's transaction
-    with the caller's setting. Each is delivered alike. (Seen by a trigger on the message
-    table that records the setting of the transaction that inserts.)"""
-    connection = make_connection()
+    default, or delivery_mode 2) durably in one transaction with ``publish_commit=
+    "flush_first"``, with it off and then flushed with ``"flush_after"`` (see
+    test_publish_commit_flush_after_commits_then_flushes_on_the_same_session), and one
+    published in the caller's transaction with the caller's setting. Each is delivered
+    alike. (Seen by a trigger on the message table that records the setting of the
+    transaction that inserts.)"""
+    connection = make_connection(publish_commit=publish_commit)
     with connection.SimpleQueue("modes") as simple:  # declares it, and installs the schema
         s = sql.Identifier(schema)
         conn.execute(sql.SQL("CREATE TABLE {}.seen (id bigint, mode text)").format(s))
@@ -1123,4 +1135,4 @@ def test_transient_messages_do_not_wait_for_the_wal_flush(
     assert sorted(got) == sorted(["t", "p", "d", "in-txn"])
     # (in the order published: t, p, d, in-txn)
     modes = conn.execute(sql.SQL("SELECT mode FROM {}.seen ORDER BY id").format(s)).fetchall()
-    assert [m for (m,) in modes] == ["off", "on", "on", "on"]
+    assert [m for (m,) in modes] == expected

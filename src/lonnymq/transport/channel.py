@@ -18,7 +18,7 @@ from ..enqueue import current_connection
 from ..exceptions import ChannelFull, LonnyMQError
 from ..queue import Message as QueueMessage
 from ..queue import Outcome
-from ..queue._ops import Op, async_commit, flush_op, run
+from ..queue._ops import Op, async_commit, run
 from ..queue.dequeue import DequeueResult, dequeue_op
 from ..queue.finalize import defer_op, delete_many_op, delete_op, reject_op
 from ..queue.operate import settings_op
@@ -139,7 +139,7 @@ class Channel(TopologyChannel):
         elif self.options.publish_commit == "flush_after":
             # visible (and notified) at its commit, durable before the publish returns: the
             # fsync is not between the publish and its consumer (see publish_commit)
-            routed = self.connection.pg.run_flushed(async_commit(op), flush_op(op.schema))
+            routed = self.connection.pg.run_flushed(op)
         else:
             routed = self._run(op)
         if caller is None:  # never while the caller's transaction is open

@@ -29,7 +29,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .. import migrator
 from ..dsn import mask_password
 from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
-from ..queue._ops import Op, run, translate
+from ..queue._ops import Op, async_commit, flush_op, run, translate
 from . import pooler, sweep
 
 logger = logging.getLogger("lonnymq.transport")
@@ -173,17 +173,23 @@ class PgClient(_Forkable):
         """Run one operation, reconnecting first if the connection was lost."""
         return self._call(lambda conn: run(conn, op))
 
-    def run_flushed(self, op: Op[T], flush: Op[None]) -> T:
-        """Run ``op`` (which commits without waiting for the WAL flush), then ``flush`` on
-        the same session: never on a new one, where a flush would not say whether a server
-        that restarted meanwhile still has what ``op`` did (a lost connection raises)."""
+    def run_flushed(self, op: Op[T]) -> T:
+        """Run ``op`` (one statement, its own transaction) so that it is durable when this
+        returns, and visible before it is flushed: committed without waiting for the WAL
+        flush, then a transaction with an ID commits synchronously on the same session (its
+        flush covers the first). Never on a new session: a flush there would not say whether
+        a server that restarted meanwhile still has what ``op`` did (a lost connection
+        raises). Through a pooler, which may run the two on different server sessions (of a
+        server that restarted in between), ``op`` commits durably in one transaction."""
 
-        def both(conn: psycopg.Connection[Any]) -> T:
-            result = run(conn, op)
-            run(conn, flush)
+        def work(conn: psycopg.Connection[Any]) -> T:
+            if pooler.pooled(conn):
+                return run(conn, op)
+            result = run(conn, async_commit(op))
+            run(conn, flush_op(op.schema))
             return result
 
-        return self._call(both)
+        return self._call(work)
 
     def _call(self, work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """``work`` on the connection: a lost connection is forgotten (the next call

@@ -41,6 +41,12 @@ def behind_pooler(conn: psycopg.Connection[Any]) -> bool:
     return row is not None and row[0] != conn.info.backend_pid
 
 
+def pooled(conn: psycopg.Connection[Any]) -> bool:
+    """Whether :func:`adapt` found that ``conn`` goes through a pooler (it turned psycopg's
+    prepared statements off)."""
+    return conn.prepare_threshold is None
+
+
 def adapt(conn: psycopg.Connection[Any]) -> bool:
     """Make a new connection fit for a pooler it goes through (no prepared statements);
     returns whether it goes through one."""
