@@ -1545,8 +1545,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench.cleanup()
     total_s = time.perf_counter() - started
     broker_names = [b.name for b in brokers]
-    if any(s.broker == "floor" for s in bench.results.series.values()):
-        broker_names.append("floor")  # Postgres itself, for the same work (see bench_wakeup)
+    for floor in ("floor", "floor_flush_after"):  # Postgres itself, same work (bench_wakeup)
+        if any(s.broker == floor for s in bench.results.series.values()):
+            broker_names.append(floor)
     table = print_table(bench.results, broker_names)
     print(f"\ntotal {total_s:.0f}s; load at end {os.getloadavg()}")
     report = {

@@ -439,7 +439,10 @@ class WakeupScenarios:
                 figures[f"{name}_p50_ms"] = statistics.median(values) * 1000
         return figures, {"messages": len(total), "max_ms": max(total) * 1000}
 
-    def floor_run(self, n: int, gap: float) -> Any:
+    def floor_run(self, n: int, gap: float, flush_after: bool = False) -> Any:
+        """The floor; ``flush_after``: its commit does not wait for the WAL flush, and a
+        second transaction (with an ID, committed durably) flushes it before the publish is
+        done, as lonnymq's ``publish_commit="flush_after"`` does."""
         from bench_brokers import PG_DSN, fresh_name
 
         table = f"public.{fresh_name('bench_floor')}"
@@ -466,9 +469,14 @@ class WakeupScenarios:
                 for i in range(n):
                     time.sleep(gap)
                     start = time.perf_counter()
+                    if flush_after:
+                        conn.execute("SET LOCAL synchronous_commit = off")
                     conn.execute(insert, (i, payload))
                     conn.execute("NOTIFY bench_floor")
                     conn.commit()
+                    if flush_after:
+                        conn.execute("SELECT pg_current_xact_id()")
+                        conn.commit()
                     published[i] = (start, time.perf_counter())
             res = out.get(timeout=60)
             proc.join(timeout=30)
@@ -491,17 +499,21 @@ class WakeupScenarios:
         self.begin("wakeup")
         n = self.q(200, 40)
         gap = 0.03
-        floor = BrokerSpec("floor", "", {})
+        # (the issue's floor commits durably before its NOTIFY goes; "floor_flush_after"
+        # commits as lonnymq's publish_commit="flush_after" does)
+        floors = [BrokerSpec("floor", "", {}), BrokerSpec("floor_flush_after", "", {})]
         for rep in range(self.repeat):
             for hub in (False, True):
                 variant = "Kombu, " + ("event loop" if hub else "drain_events")
                 pool = [b for b in self.brokers if b.name in ("lonnymq", "rabbitmq", "redis")]
                 if hub:
                     pool = [b for b in pool if b.name == "lonnymq"]
-                for spec in [*self.rotated(rep, pool), floor]:
+                for spec in [*self.rotated(rep, pool), *floors]:
                     run = (
-                        functools.partial(self.floor_run, n, gap)
-                        if spec.name == "floor"
+                        functools.partial(
+                            self.floor_run, n, gap, flush_after=spec.name == "floor_flush_after"
+                        )
+                        if spec.name.startswith("floor")
                         else functools.partial(self.wakeup_run, spec, hub, n, gap)
                     )
                     self.measure("wakeup", variant, spec, "p50_ms", run)

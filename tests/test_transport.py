@@ -832,7 +832,7 @@ def test_publish_commit_flush_after_commits_then_flushes_on_the_same_session(
         if mode == "flush_after":
             assert len(steps) == 2, steps
             assert b"synchronous_commit', 'off'" in steps[0] and b"publish" in steps[0]
-            assert steps[1] == b"SELECT pg_current_xact_id()"
+            assert steps[1].startswith(b"SELECT pg_current_xact_id()")
             assert ran[0][0] == ran[1][0]  # the same session
         else:
             assert len(steps) == 1 and b"synchronous_commit" not in steps[0], steps

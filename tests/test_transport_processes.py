@@ -403,14 +403,15 @@ WHERE application_name LIKE 'lonnymq-%%' AND pid <> pg_backend_pid()
 
 def cut_connections(conn: Conn, schema: str) -> Counter[str]:
     """Terminate the transport's backends of ``schema``; counts them by role: ``listen``,
-    ``producer`` (a command connection whose last query was a publish), ``consumer``."""
+    ``producer`` (a command connection whose last query was a publish, or the flush after
+    one: publish_commit="flush_after"), ``consumer``."""
     cut: Counter[str] = Counter()
     for app, query, ok in conn.execute(TERMINATE, (schema,)).fetchall():
         if not ok:
             continue
         if app == "lonnymq-listen":
             cut["listen"] += 1
-        elif "message_publish_v1" in query:
+        elif "message_publish_v1" in query or query.startswith("SELECT pg_current_xact_id()"):
             cut["producer"] += 1
         else:
             cut["consumer"] += 1

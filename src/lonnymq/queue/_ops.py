@@ -88,8 +88,12 @@ def flush_op(schema: str) -> Op[None]:
     """Wait until every commit before it is flushed to the WAL (durable): a transaction
     that takes a transaction ID commits synchronously (unless the server's
     ``synchronous_commit`` is off), and its flush covers the WAL written before it, so an
-    ``async_commit`` of this session before it is durable when it returns."""
-    return Op(schema, b"SELECT pg_current_xact_id()", (), no_result)
+    ``async_commit`` of this session before it is durable when it returns. (The schema
+    names the subquery, so that pg_stat_activity tells whose publish a session flushes.)"""
+    return Op(schema, render(_FLUSH, schema), (), no_result)
+
+
+_FLUSH: LiteralString = "SELECT pg_current_xact_id() FROM (SELECT) AS {schema}"
 
 
 def translate(exc: Exception, schema: str) -> LonnyMQError:
