@@ -876,48 +876,6 @@ def test_callback_acks_are_applied_when_drain_events_returns(
     assert received == list(range(30))
 
 
-def test_drain_events_without_acks_to_carry_returns_with_its_delivery(
-    make_connection: Callable[..., Connection], conn: Conn, schema: str
-) -> None:
-    """A consumer without acks (an rpc:// client waiting for its reply) that is delivered a
-    message returns from drain_events at once, without a further dequeue first (it made
-    Celery's ``get()`` wait for one more round trip); the look it owes is its next call's
-    first. One whose callback acks keeps fetching within the call to carry the ack."""
-    connection = make_connection(polling_interval=30)
-    transport = connection.transport
-    fetches: list[int] = []
-    plain = transport.ack_and_dequeue
-
-    def counted(queues: list[str], limit: int) -> Any:
-        result = plain(queues, limit)
-        fetches.append(len(result.messages))
-        return result
-
-    transport.ack_and_dequeue = counted
-    producer = make_connection().Producer()
-    for no_ack in (True, False):
-        name = f"reply-{no_ack}"
-        queue = Queue(name)
-        received: list[Any] = []
-
-        def on_message(
-            body: Any, message: Any, no_ack: bool = no_ack, received: list[Any] = received
-        ) -> None:
-            received.append(body)
-            if not no_ack:
-                message.ack()
-
-        with connection.Consumer(queue, callbacks=[on_message], no_ack=no_ack):
-            with contextlib.suppress(TimeoutError):
-                connection.drain_events(timeout=0.3)  # idle: asleep on its queue
-            fetches.clear()
-            producer.publish("r", routing_key=name, declare=[queue])
-            connection.drain_events(timeout=5)
-            assert received == ["r"]
-            assert fetches == ([1] if no_ack else [1, 0]), (no_ack, fetches)
-            assert _count(conn, schema, name) == 0
-
-
 def test_ack_from_another_thread_returns_after_the_delete(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:

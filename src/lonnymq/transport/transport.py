@@ -360,8 +360,7 @@ class Transport(virtual.Transport):
     def _drain(self, timeout: float | None, *, owner: bool) -> None:
         """Fetch and deliver; wait (LISTEN, timers) while there is nothing. The owner of the
         ack buffer keeps fetching (each dequeue carrying the acks of the messages delivered
-        before it) while deliveries keep coming and their callbacks acked, up to
-        ``batch_size`` messages or 50 ms; with no ack to carry it returns at once.
+        before it) while deliveries keep coming, up to ``batch_size`` messages or 50 ms.
         Before it waits, the consumer sleeps on the queues of every idle channel (see
         :mod:`.sleep`), and looks once more where it took a key. Asleep, it stays so across
         calls (Celery's and kombu's loops call with a timeout of 1-2 s): it looks again when
@@ -414,14 +413,7 @@ class Transport(virtual.Transport):
                 self._timer_at = sooner(self._timer_at, time.monotonic() + retry_ms / 1000 + 0.001)
             if delivered:
                 total += delivered
-                # (more only to carry the acks the callbacks made: a consumer without acks,
-                # an rpc:// client waiting for its reply, returns with what it has)
-                if (
-                    owner
-                    and self.acks.pending()
-                    and total < self.options.batch_size
-                    and time.monotonic() - started < 0.05
-                ):
+                if owner and total < self.options.batch_size and time.monotonic() - started < 0.05:
                     continue
                 return
             if total:
