@@ -77,8 +77,9 @@ class Options:
     #: How the consumer's own transactions commit (dequeue, ack, reject, lock heartbeat):
     #: "async" (synchronous_commit off: no wait for the WAL flush; a database crash can lose
     #: the last few, which means redeliveries, never a lost message) or "sync". Publishes
-    #: commit durably, but for transient messages (delivery_mode 1: Celery's rpc:// replies,
-    #: events and broadcasts), which do not wait for the WAL flush.
+    #: are durable when they return (publish_commit), but for transient messages
+    #: (delivery_mode 1: Celery's rpc:// replies, events and broadcasts), which do not wait
+    #: for the WAL flush.
     consumer_commit: str = "async"
     #: How a persistent message's publish commits (not in a caller's transaction, see
     #: lonnymq.transaction): "flush_after" commits without waiting for the WAL flush, so that
