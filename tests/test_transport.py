@@ -799,17 +799,43 @@ def test_consumer_commit_async_is_transaction_local(
         simple.close()
 
 
+def test_the_flush_after_an_asynchronous_commit_makes_it_durable(
+    make_connection: Callable[..., Connection], schema: str
+) -> None:
+    """What ``publish_commit="flush_after"`` relies on: once the flush statement returns,
+    the WAL is flushed past the asynchronous commit before it. (A transaction that only
+    takes a transaction ID, ``SELECT pg_current_xact_id()``, commits without waiting for the
+    flush: this caught it.) Ten times, each right after the asynchronous commit, before
+    the WAL writer's own flush."""
+    from lonnymq.queue._ops import async_commit, flush_op, run
+    from lonnymq.queue.routing import publish_op
+
+    connection = make_connection()
+    connection.SimpleQueue("flushed").close()  # declared, the schema installed
+    pg = connection.transport.pg.connection()
+    for i in range(10):
+        op = publish_op(schema, "", "flushed", b'{"body": "x"}', max_message_bytes=1 << 20)
+        run(pg, async_commit(op))
+        row = pg.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+        assert row is not None
+        run(pg, flush_op(schema))
+        flushed = pg.execute(
+            "SELECT pg_current_wal_flush_lsn() >= %s::pg_lsn", (str(row[0]),)
+        ).fetchone()
+        assert flushed == (True,), i
+
+
 def test_publish_commit_flush_after_commits_then_flushes_on_the_same_session(
     make_connection: Callable[..., Connection],
     conn: Conn,
     schema: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``publish_commit="flush_after"`` (the default): the publish commits without the WAL
-    flush's wait (visible to consumers at once), then a transaction with an ID commits on the
-    same session (its flush makes the publish durable) before the publish returns;
-    ``"flush_first"``: one durable statement. Transient messages commit asynchronously
-    either way, and the session's own setting stays durable."""
+    """``publish_commit="flush_after"``: the publish commits without the WAL flush's wait
+    (visible to consumers at once), then a flushing transaction commits on the same session
+    (see test_the_flush_after_an_asynchronous_commit_makes_it_durable) before the publish
+    returns; ``"flush_first"`` (the default): one durable statement. Transient messages
+    commit asynchronously either way, and the session's own setting stays durable."""
     from lonnymq.queue import _ops
     from lonnymq.transport import connection as tc
 
@@ -832,7 +858,7 @@ def test_publish_commit_flush_after_commits_then_flushes_on_the_same_session(
         if mode == "flush_after":
             assert len(steps) == 2, steps
             assert b"synchronous_commit', 'off'" in steps[0] and b"publish" in steps[0]
-            assert steps[1].startswith(b"SELECT pg_current_xact_id()")
+            assert steps[1].startswith(b"SELECT pg_logical_emit_message(true")
             assert ran[0][0] == ran[1][0]  # the same session
         else:
             assert len(steps) == 1 and b"synchronous_commit" not in steps[0], steps

@@ -85,15 +85,21 @@ def async_commit(op: Op[T]) -> Op[T]:
 
 
 def flush_op(schema: str) -> Op[None]:
-    """Wait until every commit before it is flushed to the WAL (durable): a transaction
-    that takes a transaction ID commits synchronously (unless the server's
-    ``synchronous_commit`` is off), and its flush covers the WAL written before it, so an
-    ``async_commit`` of this session before it is durable when it returns. (The schema
-    names the subquery, so that pg_stat_activity tells whose publish a session flushes.)"""
+    """Wait until every commit before it is flushed to the WAL (durable), so that an
+    ``async_commit`` of this session before it is durable when it returns. A transaction
+    commits with its flush only when it has a transaction ID *and* wrote WAL (Postgres'
+    ``RecordTransactionCommit``; a transaction ID alone, ``SELECT pg_current_xact_id()``,
+    commits without waiting: measured, 0.01 WAL syncs per call): a transactional logical
+    message does both, writes no row (no dead tuple, no row lock shared by producers), and
+    its flush covers all WAL before it. Logical decoding sees it (prefix ``lonnymq.flush``,
+    empty; ``pgoutput`` passes messages on only when asked to). (The schema names the
+    subquery, so that pg_stat_activity tells whose publish a session flushes.)"""
     return Op(schema, render(_FLUSH, schema), (), no_result)
 
 
-_FLUSH: LiteralString = "SELECT pg_current_xact_id() FROM (SELECT) AS {schema}"
+_FLUSH: LiteralString = (
+    "SELECT pg_logical_emit_message(true, 'lonnymq.flush', ''::bytea) FROM (SELECT) AS {schema}"
+)
 
 
 def translate(exc: Exception, schema: str) -> LonnyMQError:

@@ -153,11 +153,16 @@ class PgClient(_Forkable):
             _INSTALLED.add(key)
 
     @property
-    def open(self) -> bool:
-        """The connection is open (a call need not connect first; it may still find it
-        lost)."""
-        conn = self._conn
-        return conn is not None and not conn.closed and not conn.broken
+    def free(self) -> bool:
+        """The connection is open and no other thread is using it: a call need neither
+        connect nor wait first (it may still find the connection lost)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            conn = self._conn
+            return conn is not None and not conn.closed and not conn.broken
+        finally:
+            self._lock.release()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[psycopg.Connection[Any]]:
@@ -176,7 +181,7 @@ class PgClient(_Forkable):
     def run_flushed(self, op: Op[T]) -> T:
         """Run ``op`` (one statement, its own transaction) so that it is durable when this
         returns, and visible before it is flushed: committed without waiting for the WAL
-        flush, then a transaction with an ID commits synchronously on the same session (its
+        flush, then a flushing transaction (``flush_op``) commits on the same session (its
         flush covers the first). Never on a new session: a flush there would not say whether
         a server that restarted meanwhile still has what ``op`` did (a lost connection
         raises). Through a pooler, which may run the two on different server sessions (of a

@@ -214,9 +214,11 @@ class LoopConsumer:
         """Deliver what a fetch brought back; plan and start the next batch (a change of the
         sleep keys, fetches); arrange for the next look. A consumer whose last batch
         delivered nothing runs the next one on the loop's thread, at once, when its connection
-        is open (a wake-up: two thread switches less, 0.1-0.3 ms each here); a busy one, or
-        one that must connect first, hands it to the fetch thread, so that the loop goes on
-        feeding the pool meanwhile."""
+        is open and not in use by another thread (a wake-up: two thread switches less, 0.1-0.3
+        ms each here); a busy one, or one that must connect or wait first, hands it to the
+        fetch thread, so that the loop goes on feeding the pool meanwhile. What a batch run
+        here brought is delivered by the next look of this call, with nothing in between
+        that could raise and leave it undelivered and locked."""
         outcome: Outcome | None = None
         while not self.closed:
             outcome = self._look(outcome)
@@ -230,7 +232,7 @@ class LoopConsumer:
         if not self.owner:
             self.owner = transport.acks.begin()
         retry_ms: int | None = None
-        inline: Outcome | None = None
+        inline: tuple[list[Job], Change | None] | None = None
         if outcome is None:
             outcome = self.fetcher.take()
         if outcome is not None:
@@ -256,8 +258,8 @@ class LoopConsumer:
             if wanted:
                 jobs, wait = rounds.fetch_jobs(transport, wanted)
                 retry_ms = sooner(retry_ms, wait)
-            if jobs and self.idle and transport.pg.open:
-                inline = self.fetcher.execute(jobs, change)
+            if jobs and self.idle and transport.pg.free:
+                inline = (jobs, change)  # run last, once nothing else of this look can raise
             elif jobs or change is not None:
                 self.fetcher.submit(jobs, change)
             elif self.owner and transport.acks.pending() and (retry_ms is None or retry_ms > 5):
@@ -269,7 +271,9 @@ class LoopConsumer:
         if due is not None:
             self.retry_in(due - now)
         self.sync_listen()
-        return inline
+        if inline is None or self.closed:
+            return None
+        return self.fetcher.execute(*inline)  # (its errors come back in the outcome)
 
     def retry_in(self, seconds: float) -> None:
         """Look again in ``seconds`` (or sooner, if a look is already due sooner)."""
