@@ -441,8 +441,9 @@ class WakeupScenarios:
 
     def floor_run(self, n: int, gap: float, flush_after: bool = False) -> Any:
         """The floor; ``flush_after``: its commit does not wait for the WAL flush, and a
-        second transaction (with an ID, committed durably) flushes it before the publish is
-        done, as lonnymq's ``publish_commit="flush_after"`` does."""
+        second transaction flushes it before the publish is done, as lonnymq's
+        ``publish_commit="flush_after"`` does (a transactional logical message: a transaction
+        waits for the flush only when it has an ID and wrote WAL)."""
         from bench_brokers import PG_DSN, fresh_name
 
         table = f"public.{fresh_name('bench_floor')}"
@@ -475,7 +476,7 @@ class WakeupScenarios:
                     conn.execute("NOTIFY bench_floor")
                     conn.commit()
                     if flush_after:
-                        conn.execute("SELECT pg_current_xact_id()")
+                        conn.execute("SELECT pg_logical_emit_message(true, 'bench', ''::bytea)")
                         conn.commit()
                     published[i] = (start, time.perf_counter())
             res = out.get(timeout=60)

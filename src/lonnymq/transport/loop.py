@@ -14,15 +14,15 @@ last) while the loop goes on feeding the pool; when they are back the thread wak
 which delivers the messages on its own thread, as Celery requires (those of different
 channels in the order they were created), and looks again. A consumer whose last fetch
 brought nothing (idle: a NOTIFY, a timer or the poll woke it) fetches on the loop's thread
-instead, at once, when its connection is open: a wake-up does not wait for two thread
-switches, and an idle loop has nothing else to do meanwhile. Before a fetch, the same thread
-takes the ``sleep`` keys of the queues of channels that found nothing and releases those of
-busy ones, on the LISTEN session (see :mod:`.sleep`); after taking a key it looks again. A
-channel asleep on its queues is fetched for only when a NOTIFY names one of them, at its
-timer, or at the fallback poll. One batch is in flight at a time. The loop's thread holds the
-ack buffer: its own acks return at once and go with the next fetch, which they trigger.
-Errors of a fetch (a lost connection) are raised on the loop's thread, where Celery handles
-them as it does for RabbitMQ.
+instead, at once, when its connection is open and no other thread holds it: a wake-up does
+not wait for two thread switches, and an idle loop has nothing else to do meanwhile. Before
+a fetch, the same thread takes the ``sleep`` keys of the queues of channels that found
+nothing and releases those of busy ones, on the LISTEN session (see :mod:`.sleep`); after
+taking a key it looks again. A channel asleep on its queues is fetched for only when a
+NOTIFY names one of them, at its timer, or at the fallback poll. One batch is in flight at a
+time. The loop's thread holds the ack buffer: its own acks return at once and go with the
+next fetch, which they trigger. Errors of a fetch (a lost connection) are raised on the
+loop's thread, where Celery handles them as it does for RabbitMQ.
 """
 
 from __future__ import annotations
