@@ -33,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from bench_brokers import BrokerSpec, delete_queue, make_brokers  # noqa: E402
-from bench_wakeup import default_worker, stamps  # noqa: E402
+from bench_wakeup import default_worker, stamps, warm_up  # noqa: E402
 
 STEPS = ("sent", "notified", "dequeue", "dequeued", "delivered", "received", "started")
 
@@ -62,12 +62,7 @@ def run(
         with default_worker(
             spec, qname, pool_args, None, tmp / f"{qname}.log", "celery_timeline_app", env
         ) as app:
-            app.send_task("bench.stamp", args=[str(stamp_file), time.time()])  # warm-up
-            deadline = time.monotonic() + 60
-            while not stamps(stamp_file):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the warm-up task did not run")
-                time.sleep(0.05)
+            warm_up(app, stamp_file)
             time.sleep(idle)
             with app.producer_pool.acquire(block=True) as producer:
                 for _ in range(tasks):

@@ -116,6 +116,17 @@ def default_worker(
             app.close()
 
 
+def warm_up(app: Any, stamp_file: Path) -> None:
+    """Send one ``bench.stamp`` task to a worker just started and wait (60 s at most) until
+    it has run."""
+    app.send_task("bench.stamp", args=[str(stamp_file), time.time()])
+    deadline = time.monotonic() + 60
+    while not stamps(stamp_file):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the warm-up task did not run")
+        time.sleep(0.05)
+
+
 def stamps(path: Path) -> list[tuple[float, float]]:
     if not path.exists():
         return []
@@ -291,12 +302,7 @@ class WakeupScenarios:
         out_file = self.tmp / f"{qname}.stamps"
         try:
             with default_worker(spec, qname, pool_args, None, self.tmp / f"{qname}.log") as app:
-                app.send_task("bench.stamp", args=[str(out_file), time.time()])  # warm-up
-                deadline = time.monotonic() + 60
-                while not stamps(out_file):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the warm-up task did not run")
-                    time.sleep(0.05)
+                warm_up(app, out_file)
                 time.sleep(self.args.pickup_idle)
                 with app.producer_pool.acquire(block=True) as producer:
                     for _ in range(n):
