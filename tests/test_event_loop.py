@@ -133,8 +133,8 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
     fetched: list[tuple[str, int]] = []  # (thread, messages) of each dequeue
     plain = transport.ack_and_dequeue
 
-    def recorded(queues: list[str], limit: int) -> Any:
-        result = plain(queues, limit)
+    def recorded(queues: list[str], limit: int, **kw: Any) -> Any:
+        result = plain(queues, limit, **kw)
         fetched.append((threading.current_thread().name, len(result.messages)))
         return result
 

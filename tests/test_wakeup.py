@@ -427,9 +427,9 @@ def test_idle_consumer_makes_no_round_trip(
     calls: list[str] = []
     orig_dequeue, orig_apply = Transport.ack_and_dequeue, sleep_module.SleepKeys.apply
 
-    def dequeue(self: Transport, queues: list[str], limit: int) -> Any:
+    def dequeue(self: Transport, queues: list[str], limit: int, **kw: Any) -> Any:
         calls.append("dequeue")
-        return orig_dequeue(self, queues, limit)
+        return orig_dequeue(self, queues, limit, **kw)
 
     def apply(self: sleep_module.SleepKeys, change: sleep_module.Change) -> Any:
         calls.append("sleep")

@@ -39,7 +39,8 @@ DEFAULT_SCHEMA = "lonnymq"
 OLDEST_SERVER = 13
 NEWEST_TESTED_SERVER = 18
 
-# Lower-case identifiers only, short enough that "<schema>_wake" fits a NOTIFY channel name.
+# Lower-case identifiers only, short enough that "<schema>_wake" and "<schema>_hint" fit a NOTIFY
+# channel name.
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,47}")
 _MIGRATION_RE = re.compile(r"(\d{4})_([a-z0-9_]+)\.sql")
 
@@ -59,6 +60,12 @@ def validate_schema(schema: object) -> str:
 def wake_channel(schema: str) -> str:
     """The NOTIFY channel on which ``schema`` announces available messages."""
     return f"{validate_schema(schema)}_wake"
+
+
+def hint_channel(schema: str) -> str:
+    """The NOTIFY channel on which ``schema``'s creates tell sleeping consumers which message
+    they made (``'<id> <queue>'``; schema version 16)."""
+    return f"{validate_schema(schema)}_hint"
 
 
 @dataclass(frozen=True)
@@ -107,6 +114,7 @@ def render(template: str, schema: str) -> sql.Composed:
     return sql.SQL(template).format(
         schema=sql.Identifier(schema),
         wake=sql.Literal(wake_channel(schema)),
+        hint=sql.Literal(hint_channel(schema)),
         lock_prefix=sql.Literal(f"lonnymq:{schema}:"),
     )
 

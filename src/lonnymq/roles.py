@@ -54,6 +54,7 @@ _PRODUCER = (
 _WORKER = (
     *_PRODUCER,
     "message_dequeue_v3",
+    "message_dequeue_hinted_v1",
     "sleep_v1",
     "message_reject_v1",
     "housekeep_v1",

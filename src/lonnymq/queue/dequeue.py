@@ -25,6 +25,10 @@ _DEQUEUE: LiteralString = (
     _COLUMNS + "FROM {schema}.message_dequeue_v3(%s::text[], %s::integer, %s::bigint, "
     "%s::bigint[], %s::uuid[], %s::boolean)"
 )
+_DEQUEUE_HINTED: LiteralString = (
+    _COLUMNS + "FROM {schema}.message_dequeue_hinted_v1(%s::text[], %s::bigint[], %s::integer, "
+    "%s::bigint, %s::bigint[], %s::uuid[], %s::boolean)"
+)
 
 DEFAULT_LOCK_MS = 3_600_000
 
@@ -118,12 +122,15 @@ def dequeue_op(
     lock_ms: float = DEFAULT_LOCK_MS,
     ack: Sequence[tuple[int, uuid.UUID]] = (),
     listen: bool = True,
+    hints: Sequence[int] = (),
 ) -> Op[DequeueResult]:
     """Dequeue; with ``ack`` (held messages' ids and lock tokens), delete those first, in
     the same statement (one round trip, one transaction for both). With ``listen``, a call
     that gets nothing registers the connection's session as waiting for a NOTIFY on these
     queues until its next dequeue: their producers then send one (they send none while
-    every consumer is busy)."""
+    every consumer is busy). ``hints``: ids of messages that woke the caller (the
+    ``<schema>_hint`` notifications of :func:`lonnymq.migrator.hint_channel`): taken by their
+    ids when nothing else of these queues waits, else the call is a plain dequeue."""
     names = _checks.queues(queues)
     count = _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT)
     lock = _checks.milliseconds(lock_ms, "lock_ms", low=1, high=_checks.MAX_LOCK_MS)
@@ -165,6 +172,10 @@ def dequeue_op(
                 )
         return DequeueResult(messages, retry_ms, dead, acked)
 
+    if hints:
+        hinted = [_checks.integer(h, "hint", low=1, high=2**63 - 1) for h in hints]
+        params_h = (names, hinted, count, lock, ids or None, tokens or None, bool(listen))
+        return Op(schema, render(_DEQUEUE_HINTED, schema), params_h, parse)
     params = (names, count, lock, ids or None, tokens or None, bool(listen))
     return Op(schema, render(_DEQUEUE, schema), params, parse)
 

@@ -228,6 +228,12 @@ class PgClient(_Forkable):
     close = discard
 
 
+#: Hints kept per queue until its next fetch: a consumer whose prefetch window stays full
+#: while producers create keeps no more than this (a claim of more would not apply anyway:
+#: what no ingest has seen is then more than the dequeue takes by hint).
+MAX_HINTS = 64
+
+
 class Waiter(_Forkable):
     """Where an idle consumer blocks: on LISTEN (a connection of its own, so acks never wait
     behind it) and on a self-pipe that :meth:`wake` writes to, so that another thread (an ack
@@ -240,12 +246,16 @@ class Waiter(_Forkable):
         connect_timeout: float | None = None,
         *,
         listen: bool = True,
+        hint_channel: str | None = None,
     ) -> None:
         self.conninfo = conninfo
         self.channel = channel
+        #: where creates name the message they made (``'<id> <queue>'``): see :meth:`hints`
+        self.hint_channel = hint_channel
         self.connect_timeout = connect_timeout
         self.listen = listen
         self._conn = None
+        self._hints: dict[str, set[int]] = {}
         self._lock = threading.RLock()
         self._failed_at = 0.0
         self._sessions = 0  # LISTEN connections opened so far
@@ -327,11 +337,32 @@ class Waiter(_Forkable):
             if conn is None:
                 return set()
             try:
-                return {n.payload for n in conn.notifies(timeout=0) if n.payload in queues}
+                found = set()
+                for n in conn.notifies(timeout=0):
+                    if n.channel == self.hint_channel:
+                        ident, _, queue = n.payload.partition(" ")
+                        if queue in queues and ident.isdigit():
+                            held = self._hints.setdefault(queue, set())
+                            if len(held) < MAX_HINTS:  # (more: the dequeue looks for them)
+                                held.add(int(ident))
+                            found.add(queue)
+                    elif n.payload in queues:
+                        found.add(n.payload)
+                return found
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
                 return set(queues)
+
+    def hints(self, queues: Collection[str]) -> list[int]:
+        """Take the ids of the messages that creates of ``queues`` said they made since the
+        last call for them (the ``hint_channel``'s notifications, read with the others): a
+        consumer that was idle may take them by their ids (``message_dequeue_hinted_v1``)."""
+        with self._lock:
+            found: set[int] = set()
+            for queue in queues:
+                found.update(self._hints.pop(queue, ()))
+            return sorted(found)
 
     def _connection(self) -> psycopg.Connection[Any] | None:
         if self._conn is not None and not self._conn.closed and not self._conn.broken:
@@ -345,6 +376,8 @@ class Waiter(_Forkable):
                 conn, self.conninfo, lambda: _open(self.conninfo, self.connect_timeout, "check")
             )
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+            if self.hint_channel is not None:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.hint_channel)))
         except (ConnectionLost, psycopg.Error) as exc:
             self._failed_at = time.monotonic()
             logger.warning("lonnymq: LISTEN unavailable, polling instead: %s", exc)
@@ -391,6 +424,7 @@ class Waiter(_Forkable):
 
     def close(self) -> None:
         """Close the LISTEN connection (the next wait opens a new one)."""
+        self._hints.clear()
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):

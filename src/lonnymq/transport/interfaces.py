@@ -148,7 +148,9 @@ class TransportLike(Protocol):
     def sleep(self) -> SleepKeys:
         """The ``sleep`` keys held on the LISTEN session."""
 
-    def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult: ...
+    def ack_and_dequeue(
+        self, queues: list[str], limit: int, *, idle: bool = False
+    ) -> DequeueResult: ...
 
     def release(self, held: Iterable[Held]) -> None: ...
 

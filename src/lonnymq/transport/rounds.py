@@ -61,7 +61,7 @@ def run_fetches(transport: TransportLike, jobs: list[Job]) -> Fetched:
     results: Fetched = []
     try:
         for channel, queues, limit in jobs:
-            results.append((channel, transport.ack_and_dequeue(queues, limit)))
+            results.append((channel, transport.ack_and_dequeue(queues, limit, idle=channel.idle)))
     except BaseException:
         release(transport, results)
         raise

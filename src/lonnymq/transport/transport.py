@@ -15,7 +15,7 @@ from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 
 from ..exceptions import ConnectionLost, LonnyMQError
-from ..migrator import wake_channel
+from ..migrator import hint_channel, wake_channel
 from ..queue import Broker, Outcome
 from ..queue._ops import Op, async_commit, run
 from ..queue.dequeue import DequeueResult, dequeue_op
@@ -143,10 +143,17 @@ class Transport(virtual.Transport):
             self._sleep = SleepKeys(self.waiter, self.options.schema)
         return self._sleep
 
-    def ack_and_dequeue(self, queues: list[str], limit: int) -> DequeueResult:
+    def ack_and_dequeue(
+        self, queues: list[str], limit: int, *, idle: bool = False
+    ) -> DequeueResult:
         """Delete the buffered acks and dequeue, in one statement. When that fails, the acks
-        go back to the buffer (or to the threads that made them)."""
+        go back to the buffer (or to the threads that made them). ``idle``: the fetch is of a
+        kombu channel whose last fetch found nothing; the messages whose creates woke it
+        (their ids came with the NOTIFY) are then taken by their ids when nothing else of its
+        queues waits (``message_dequeue_hinted_v1``). A busy channel's hints are dropped."""
         acks = self.acks.take()
+        waiter = self._waiter
+        hints = waiter.hints(queues) if waiter is not None else []
         op = dequeue_op(
             self.options.schema,
             queues,
@@ -154,6 +161,7 @@ class Transport(virtual.Transport):
             lock_ms=self.options.lock_ms,
             ack=[ack.ref for ack in acks],
             listen=False,  # the consumer sleeps on its LISTEN session (see .sleep)
+            hints=hints if idle else (),
         )
         started = time.perf_counter()
         result = self._carrying(acks, op)
@@ -328,6 +336,7 @@ class Transport(virtual.Transport):
                 wake_channel(self.options.schema),
                 self.options.connect_timeout,
                 listen=self.options.use_listen,
+                hint_channel=hint_channel(self.options.schema),
             )
         return self._waiter
 

@@ -22,9 +22,23 @@ LANGUAGE sql IMMUTABLE AS $$
     SELECT hashtextextended({lock_prefix} || p_kind || ':' || p_queue, 0)
 $$;
 
--- Wake consumers of a queue that sleep (they hold its 'sleep' key): NOTIFY only then, so a
--- busy queue's producers pay no NOTIFY (each costs a database-wide lock at commit).
+-- wake_v2 without a hint.
 CREATE FUNCTION {schema}.wake_v1(p_queue text) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM {schema}.wake_v2(p_queue, NULL);
+END;
+$$;
+
+-- Wake consumers of a queue that sleep (they hold its 'sleep' key): NOTIFY only then, so a
+-- busy queue's producers pay no NOTIFY (each costs a database-wide lock at commit). p_id
+-- (schema version 16): the message a create made, due now (NULL: no hint). When it notifies,
+-- the first such create of the transaction also sends the message's id (NOTIFY {{hint}},
+-- '<id> <queue>'), so that a sleeper can take it by its id (message_dequeue_hinted_v1)
+-- instead of looking for it; once per transaction, so that a transaction creating thousands
+-- does not send as many (their dequeue finds the others as it always did). The plain
+-- notification goes too: clients of the previous version listen for it only.
+CREATE FUNCTION {schema}.wake_v2(p_queue text, p_id bigint) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     v_key bigint := {schema}.queue_key_v1('sleep', p_queue);
@@ -42,6 +56,10 @@ BEGIN
         END IF;
     END IF;
     PERFORM pg_notify({wake}, p_queue);
+    IF p_id IS NOT NULL AND coalesce(current_setting('lonnymq.hinted', true), '') = '' THEN
+        PERFORM set_config('lonnymq.hinted', 'on', true);
+        PERFORM pg_notify({hint}, p_id || ' ' || p_queue);
+    END IF;
 END;
 $$;
 

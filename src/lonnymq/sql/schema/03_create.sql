@@ -130,7 +130,8 @@ BEGIN
         -- the other one was dequeued meanwhile: create after all
     END LOOP;
     result_code := 'created';
-    PERFORM {schema}.wake_v1(p_queue);
+    -- (a message due now is hinted to a sleeper by its id, see wake_v2)
+    PERFORM {schema}.wake_v2(p_queue, CASE WHEN coalesce(p_delay_ms, 0) <= 0 THEN message_id END);
 END;
 $$;
 

@@ -25,6 +25,9 @@ ALTER FUNCTION {schema}.message_publish_v1(text, text, text, text, bytea, intege
 ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
+ALTER FUNCTION {schema}.message_dequeue_hinted_v1(text[], bigint[], integer, bigint, bigint[], uuid[], boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.sleep_v1(text[], text[], text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 

@@ -1,0 +1,347 @@
+# mypy: allow-untyped-calls
+"""A woken consumer takes what woke it by its id (schema version 16; docs/design.md,
+"Wake-ups", the hint).
+
+A create of a message due now that wakes sleepers sends its id on ``<schema>_hint`` (once
+per transaction) beside the plain notification; ``message_dequeue_hinted_v1`` takes the
+hinted messages by their ids when nothing else of the call's queues waits, with the take's
+rules, and otherwise hands the call to ``message_dequeue_v3``. Each test checks what the
+plain dequeue would have kept (counts, limits, round robin, no message twice) and which of
+the two served the call (the functions the call's transaction ran).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+import pytest
+from kombu.connection import Connection
+from psycopg import sql
+
+import lonnymq
+from lonnymq.migrator import hint_channel, wake_channel
+from lonnymq.queue._ops import run
+from lonnymq.queue.dequeue import DequeueResult, dequeue_op
+from lonnymq.queue.operate import Counters
+from lonnymq.transport import transport as transport_module
+from lonnymq.transport.connection import MAX_HINTS
+from tests.invariants import assert_consistent
+from tests.test_counters import counters
+from tests.test_wakeup import Driver, Received, declared
+from tests.test_wakeup_take import asleep, discovery, lonnymq_id
+
+Conn = psycopg.Connection[Any]
+
+
+@pytest.fixture
+def producer(connect: Callable[..., Conn]) -> Conn:
+    return connect()
+
+
+def hinted(
+    broker: lonnymq.Broker,
+    conn: Conn,
+    hints: Sequence[int],
+    *,
+    queues: Sequence[str] = ("q",),
+    limit: int = 1,
+    ack: Sequence[tuple[int, uuid.UUID]] = (),
+) -> tuple[DequeueResult, set[str]]:
+    """A hinted dequeue, and the schema's functions its transaction ran."""
+    conn.execute("SET track_functions = 'all'")
+    op = dequeue_op(broker.schema, queues, limit=limit, ack=ack, listen=False, hints=hints)
+
+    def calls() -> dict[str, int]:
+        # (the backend's calls not yet reported, earlier transactions' included)
+        query = "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE schemaname = %s"
+        return dict(conn.execute(query, (broker.schema,)).fetchall())
+
+    with conn.transaction():
+        before = calls()
+        result = run(conn, op)
+        after = calls()
+    return result, {name for name, n in after.items() if n > before.get(name, 0)}
+
+
+def drain(broker: lonnymq.Broker, conn: Conn, held: list[lonnymq.Message]) -> list[int]:
+    """Ack ``held`` and take the rest one by one (plain dequeues): the ids, in order."""
+    got: list[int] = []
+    while True:
+        result = broker.dequeue(conn, ["q"], ack=held, listen=False)
+        if not result:
+            return got
+        held = list(result.messages)
+        got.extend(m.id for m in held)
+
+
+def sleeper(connect: Callable[..., Conn], schema: str, queue: str = "q") -> Conn:
+    """A session that sleeps on ``queue`` (holds its sleep key) and listens on both
+    channels, as the transport's LISTEN session does."""
+    listener = connect()
+    for channel in (wake_channel(schema), hint_channel(schema)):
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+    listener.execute(
+        sql.SQL("SELECT {}.sleep_v1(%s, '{{}}', '{{}}')").format(sql.Identifier(schema)),
+        ([queue],),
+    )
+    return listener
+
+
+def heard(listener: Conn) -> list[tuple[str, str]]:
+    """(channel, payload) of the notifications that arrived, in order."""
+    time.sleep(0.1)
+    return [(n.channel, n.payload) for n in listener.notifies(timeout=0.2)]
+
+
+def test_a_create_hints_its_message_to_sleepers_once_per_transaction(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn, connect: Callable[..., Conn]
+) -> None:
+    wake, hint = wake_channel(broker.schema), hint_channel(broker.schema)
+    channel = broker.queue("q").channel("a")
+    # nobody sleeps: no notification at all
+    listener = connect()
+    listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(hint)))
+    channel.message.create(producer, "alone")
+    assert heard(listener) == []
+    listener = sleeper(connect, broker.schema)
+    one = lonnymq_id(channel.message.create(producer, "one"))
+    assert heard(listener) == [(wake, "q"), (hint, f"{one} q")]
+    with producer.transaction():
+        ids = [lonnymq_id(channel.message.create(producer, f"m{i}")) for i in range(3)]
+    assert heard(listener) == [(wake, "q"), (hint, f"{ids[0]} q")]  # the first only
+    channel.message.create(producer, "later", delay_ms=60_000)
+    assert heard(listener) == [(wake, "q")]  # not due now: no hint
+    # a queue name with a space is the rest of the payload
+    spaced = lonnymq_id(broker.queue("q x").channel("a").message.create(producer, "s"))
+    assert heard(listener) == []  # nobody sleeps on it
+    spaced_sleeper = sleeper(connect, broker.schema, "q x")
+    spaced = lonnymq_id(broker.queue("q x").channel("a").message.create(producer, "s"))
+    assert heard(spaced_sleeper) == [(wake, "q x"), (hint, f"{spaced} q x")]
+
+
+def test_a_hinted_wake_up_is_taken_by_its_id_and_counted_once(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn
+) -> None:
+    asleep(broker, conn)
+    for round_ in range(3):
+        made = lonnymq_id(broker.queue("q").channel("a").message.create(producer, f"m{round_}"))
+        before = discovery(conn, broker.schema)
+        got, ran = hinted(broker, conn, [made], limit=4)
+        assert [m.id for m in got.messages] == [made]
+        assert got.messages[0].attempts == 1 and not got.messages[0].lock_expired
+        assert "message_dequeue_v3" not in ran and "dequeue_take_v1" not in ran, ran
+        assert discovery(conn, broker.schema) == before  # no ingest ran
+        # (the next call acks it, finds nothing and ingests: nothing counted twice)
+        assert not broker.dequeue(conn, ["q"], ack=got.messages, listen=False)
+    assert counters(broker, conn, "q") == Counters(4, 4, 0, 4, 0, 0, 0, 0)
+    conn.execute(
+        sql.SQL("SELECT {}.ingest_v1(ARRAY['q'], true, true)").format(sql.Identifier(broker.schema))
+    )
+    assert counters(broker, conn, "q") == Counters(4, 4, 0, 4, 0, 0, 0, 0)
+    assert_consistent(conn, broker.schema)
+
+
+def test_the_call_after_a_hinted_one_ingests_first(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn
+) -> None:
+    """As after a take: hinted calls do not follow one another without an ingest."""
+    asleep(broker, conn)
+    channel = broker.queue("q").channel("a")
+    first = lonnymq_id(channel.message.create(producer, "first"))
+    got, _ = hinted(broker, conn, [first])
+    assert [m.id for m in got.messages] == [first]
+    second = lonnymq_id(channel.message.create(producer, "second"))
+    got2, ran = hinted(broker, conn, [second], ack=[(first, got.messages[0].lock_token)])
+    assert [m.id for m in got2.messages] == [second]
+    assert "message_dequeue_v3" in ran and got2.acked == {first: lonnymq.Outcome.OK}
+    assert drain(broker, conn, list(got2.messages)) == []
+    assert counters(broker, conn, "q") == Counters(3, 3, 0, 3, 0, 0, 0, 0)
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_hint_gives_way_to_a_lane_whose_turn_came_first(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn
+) -> None:
+    asleep(broker, conn)
+    older = [lonnymq_id(broker.queue("q").channel("b").message.create(producer, "b"))]
+    older.append(lonnymq_id(broker.queue("q").channel("b").message.create(producer, "b2")))
+    conn.execute(  # ingested: channel b's lane is due
+        sql.SQL("SELECT {}.ingest_v1(ARRAY['q'], false, false)").format(
+            sql.Identifier(broker.schema)
+        )
+    )
+    new = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "a"))
+    got, ran = hinted(broker, conn, [new])
+    assert [m.id for m in got.messages] == [older[0]]  # b's turn came first
+    assert "message_dequeue_v3" in ran
+    assert drain(broker, conn, list(got.messages)) == [new, older[1]]  # then round robin
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_hint_gives_way_to_what_no_ingest_has_seen_of_another_channel(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn
+) -> None:
+    asleep(broker, conn)
+    other = lonnymq_id(broker.queue("q").channel("b").message.create(producer, "b"))
+    mine = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "a"))
+    got, ran = hinted(broker, conn, [mine], limit=2)
+    assert "message_dequeue_v3" in ran
+    assert sorted(m.id for m in got.messages) == sorted([other, mine])  # one each, in turn
+    assert drain(broker, conn, list(got.messages)) == []
+    assert counters(broker, conn, "q") == Counters(3, 3, 0, 3, 0, 0, 0, 0)
+    assert_consistent(conn, broker.schema)
+
+
+@pytest.mark.parametrize(
+    "limits", [{"max_concurrency": 1}, {"rate": "1/h", "burst": 1}], ids=["concurrency", "rate"]
+)
+@pytest.mark.parametrize("whose", ["channel", "queue"])
+def test_a_limit_holds_for_a_hinted_wake_up(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn, limits: dict[str, Any], whose: str
+) -> None:
+    queue = broker.queue("q")
+    (queue.channel("a") if whose == "channel" else queue).policy.set(conn, **limits)
+    asleep(broker, conn)
+    ids = [lonnymq_id(queue.channel("a").message.create(producer, f"m{i}")) for i in range(2)]
+    got, ran = hinted(broker, conn, [ids[0]])
+    assert [m.id for m in got.messages] == [ids[0]]
+    assert "message_dequeue_v3" in ran  # a limited channel is the dequeue's
+    again, _ = hinted(broker, conn, [ids[1]])
+    assert not again.messages  # its one slot (or token) is taken
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_hint_another_consumer_took_first_is_not_taken_twice(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn, connect: Callable[..., Conn]
+) -> None:
+    asleep(broker, conn)
+    other = connect()
+    made = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "once"))
+    first, _ = hinted(broker, other, [made])
+    second, ran = hinted(broker, conn, [made])
+    assert [m.id for m in first.messages] == [made]
+    assert not second.messages and "message_dequeue_v3" in ran
+    assert drain(broker, other, list(first.messages)) == []
+    assert counters(broker, conn, "q") == Counters(2, 2, 0, 2, 0, 0, 0, 0)
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_hint_does_not_take_what_is_not_due_live_or_of_the_queue(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn
+) -> None:
+    asleep(broker, conn)
+    asleep(broker, conn, "elsewhere")
+    delayed = lonnymq_id(
+        broker.queue("q").channel("a").message.create(producer, "later", delay_ms=60_000)
+    )
+    got, _ = hinted(broker, conn, [delayed])
+    assert not got.messages
+    dead = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "x", ttl_ms=1))
+    time.sleep(0.01)
+    got, _ = hinted(broker, conn, [dead])
+    assert not got.messages  # past its time to live
+    foreign = lonnymq_id(broker.queue("elsewhere").channel("a").message.create(producer, "f"))
+    got, _ = hinted(broker, conn, [foreign])
+    assert not got.messages  # not of the call's queues
+    assert [m.id for m in broker.dequeue(conn, ["elsewhere"], listen=False).messages] == [foreign]
+    assert_consistent(conn, broker.schema)
+
+
+def test_acks_travel_with_a_hinted_call(broker: lonnymq.Broker, conn: Conn, producer: Conn) -> None:
+    asleep(broker, conn)
+    channel = broker.queue("q").channel("a")
+    first = lonnymq_id(channel.message.create(producer, "first"))
+    taken = broker.dequeue(conn, ["q"], listen=False).messages
+    assert [m.id for m in taken] == [first]
+    assert not broker.dequeue(conn, ["q"], listen=False)  # settled: the next call ingested
+    made = lonnymq_id(channel.message.create(producer, "second"))
+    # an ack under a stale token is refused, the hinted message taken all the same
+    got, ran = hinted(broker, conn, [made], ack=[(first, uuid.uuid4())])
+    assert got.acked == {first: lonnymq.Outcome.STATE_INVALID}
+    assert [m.id for m in got.messages] == [made] and "message_dequeue_v3" not in ran
+    # the right tokens: both acked
+    done, _ = hinted(
+        broker, conn, [], ack=[(first, taken[0].lock_token), (made, got.messages[0].lock_token)]
+    )
+    assert done.acked == {first: lonnymq.Outcome.OK, made: lonnymq.Outcome.OK}
+    assert not done.messages
+    assert counters(broker, conn, "q") == Counters(3, 3, 0, 3, 0, 0, 0, 0)
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
+    make_connection: Callable[..., Connection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The transport's woken fetch carries the id of the message that woke it, and a busy
+    channel's fetch none."""
+    fetches: list[tuple[list[int], int]] = []  # (hints, messages) of each fetch of "hq"
+    plain = dequeue_op
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        op = plain(*args, **kwargs)
+        if list(args[1]) != ["hq"]:
+            return op
+        parse = op.parse
+
+        def parsed(rows: Any) -> Any:
+            result = parse(rows)
+            fetches.append((list(kwargs.get("hints", ())), len(result.messages)))
+            return result
+
+        return type(op)(op.schema, op.query, op.params, parsed)
+
+    monkeypatch.setattr(transport_module, "dequeue_op", recorded)
+    consumer_conn = make_connection()
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    driver = Driver(consumer_conn, hub=False)
+    driver.start()
+    try:
+        producer = make_connection().Producer(serializer="json")
+        time.sleep(0.5)  # idle, asleep
+        for i in range(3):
+            fetches.clear()
+            sent = time.monotonic()
+            producer.publish(i, routing_key="hq")
+            assert received.wait(i) - sent < 0.1
+            time.sleep(0.3)
+            delivering = [hints for hints, n in fetches if n]
+            assert len(delivering) == 1 and len(delivering[0]) == 1, fetches
+        # a burst: the fetches after the first are of a busy channel, without hints
+        fetches.clear()
+        for i in range(10, 20):
+            producer.publish(i, routing_key="hq")
+        for i in range(10, 20):
+            received.wait(i)
+        assert len([h for h, _ in fetches if h]) <= 1, fetches
+    finally:
+        driver.stop()
+
+
+def test_hints_kept_for_a_queue_are_capped(
+    make_connection: Callable[..., Connection], connect: Callable[..., Conn], schema: str
+) -> None:
+    """A consumer that does not fetch (its prefetch window full) while producers create
+    keeps at most MAX_HINTS of their ids."""
+    connection = make_connection()
+    declared(connection, "cq")
+    waiter = connection.transport.waiter
+    listen, _ = waiter.listening()
+    assert listen is not None
+    listen.execute(
+        sql.SQL("SELECT {}.sleep_v1(ARRAY['cq'], '{{}}', '{{}}')").format(sql.Identifier(schema))
+    )
+    producer = connect()
+    made = [
+        lonnymq_id(lonnymq.Queue("cq", schema=schema).channel("a").message.create(producer, "x"))
+        for _ in range(MAX_HINTS + 6)
+    ]
+    time.sleep(0.2)
+    assert waiter.notified({"cq"}) == {"cq"}
+    assert waiter.hints(["cq"]) == made[:MAX_HINTS]
+    assert waiter.hints(["cq"]) == []  # taken
