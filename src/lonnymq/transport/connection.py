@@ -256,6 +256,8 @@ class Waiter(_Forkable):
         self.listen = listen
         self._conn = None
         self._hints: dict[str, set[int]] = {}
+        # (its own lock: the fetch takes hints while another thread may wait on LISTEN)
+        self._hints_lock = threading.Lock()
         self._lock = threading.RLock()
         self._failed_at = 0.0
         self._sessions = 0  # LISTEN connections opened so far
@@ -272,6 +274,8 @@ class Waiter(_Forkable):
     def _after_fork(self) -> None:
         super()._after_fork()
         self._pipe = self._new_pipe()  # the parent's pipe stays the parent's
+        self._hints_lock = threading.Lock()
+        self._hints = {}  # (the parent's LISTEN session's)
 
     def wake(self) -> None:
         """End a wait in progress (or the next one) now. Safe from any thread."""
@@ -342,9 +346,10 @@ class Waiter(_Forkable):
                     if n.channel == self.hint_channel:
                         ident, _, queue = n.payload.partition(" ")
                         if queue in queues and ident.isdigit():
-                            held = self._hints.setdefault(queue, set())
-                            if len(held) < MAX_HINTS:  # (more: the dequeue looks for them)
-                                held.add(int(ident))
+                            with self._hints_lock:
+                                held = self._hints.setdefault(queue, set())
+                                if len(held) < MAX_HINTS:  # (more: the dequeue finds them)
+                                    held.add(int(ident))
                             found.add(queue)
                     elif n.payload in queues:
                         found.add(n.payload)
@@ -358,7 +363,7 @@ class Waiter(_Forkable):
         """Take the ids of the messages that creates of ``queues`` said they made since the
         last call for them (the ``hint_channel``'s notifications, read with the others): a
         consumer that was idle may take them by their ids (``message_dequeue_hinted_v1``)."""
-        with self._lock:
+        with self._hints_lock:
             found: set[int] = set()
             for queue in queues:
                 found.update(self._hints.pop(queue, ()))
@@ -424,7 +429,8 @@ class Waiter(_Forkable):
 
     def close(self) -> None:
         """Close the LISTEN connection (the next wait opens a new one)."""
-        self._hints.clear()
+        with self._hints_lock:
+            self._hints.clear()
         conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
