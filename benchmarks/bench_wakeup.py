@@ -179,9 +179,9 @@ def wakeup_consumer(
                 notified.append(clock())
             return got
 
-        def on_dequeue(self: Any, queues: Any, limit: int) -> Any:
+        def on_dequeue(self: Any, queues: Any, limit: int, **kwargs: Any) -> Any:
             started = clock()
-            result = orig_dequeue(self, queues, limit)
+            result = orig_dequeue(self, queues, limit, **kwargs)
             for m in result.messages:
                 dequeued[m.id] = (started, clock())
             return result

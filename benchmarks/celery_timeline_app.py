@@ -61,9 +61,9 @@ if app.conf.broker_url.startswith("lonnymq"):
             mark("notified")
         return got
 
-    def ack_and_dequeue(self: Any, queues: Any, limit: int) -> Any:
+    def ack_and_dequeue(self: Any, queues: Any, limit: int, **kwargs: Any) -> Any:
         started = time.time()
-        result = _dequeue(self, queues, limit)
+        result = _dequeue(self, queues, limit, **kwargs)
         if result.messages:
             mark("dequeue", at=started)
             mark("dequeued")

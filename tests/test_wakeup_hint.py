@@ -345,3 +345,63 @@ def test_hints_kept_for_a_queue_are_capped(
     assert waiter.notified({"cq"}) == {"cq"}
     assert waiter.hints(["cq"]) == made[:MAX_HINTS]
     assert waiter.hints(["cq"]) == []  # taken
+
+
+def test_a_hint_of_a_message_an_ingest_has_seen_is_not_taken_by_id(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn
+) -> None:
+    """A stale hint (an ingest saw the message since) goes to the dequeue, which counts
+    nothing twice; so does one for a message whose lane's turn is still to come."""
+    asleep(broker, conn)
+    made = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "seen"))
+    conn.execute(
+        sql.SQL("SELECT {}.ingest_v1(ARRAY['q'], false, false)").format(
+            sql.Identifier(broker.schema)
+        )
+    )
+    got, ran = hinted(broker, conn, [made])
+    assert [m.id for m in got.messages] == [made] and "message_dequeue_v3" in ran
+    assert drain(broker, conn, list(got.messages)) == []
+    assert counters(broker, conn, "q") == Counters(2, 2, 0, 2, 0, 0, 0, 0)
+    # seen by an ingest, its lane's turn to come (as for a lane that stepped aside, then
+    # lost its limit): not taken by its id, and not counted again
+    later = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "later"))
+    conn.execute(
+        sql.SQL("SELECT {}.ingest_v1(ARRAY['q'], false, false)").format(
+            sql.Identifier(broker.schema)
+        )
+    )
+    conn.execute(
+        sql.SQL(
+            "UPDATE {}.lane SET turn_at = now() + interval '1 hour' WHERE channel = 'a'"
+        ).format(sql.Identifier(broker.schema))
+    )
+    fresh = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "fresh"))
+    got, ran = hinted(broker, conn, [later, fresh], limit=2)
+    assert [m.id for m in got.messages] == [fresh] and "message_dequeue_v3" not in ran
+    assert counters(broker, conn, "q").enqueued == 4
+    assert_consistent(conn, broker.schema)
+
+
+def test_notifications_that_are_not_hints_are_dropped(
+    make_connection: Callable[..., Connection], connect: Callable[..., Conn], schema: str
+) -> None:
+    """Any role may NOTIFY on the hint channel: what is not a message id of a consumed
+    queue is dropped, without an error, and so are hints of queues no longer consumed."""
+    connection = make_connection()
+    declared(connection, "cq")
+    waiter = connection.transport.waiter
+    listen, _ = waiter.listening()
+    assert listen is not None
+    other = connect()
+    channel = hint_channel(schema)
+    for payload in ["\u00b2 cq", "0 cq", "99999999999999999999 cq", "x cq", " cq", "7", "8 zz"]:
+        other.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+    other.execute("SELECT pg_notify(%s, %s)", (channel, "42 cq"))
+    time.sleep(0.2)
+    assert waiter.notified({"cq"}) == {"cq"}
+    assert waiter.hints(["cq"]) == [42]
+    other.execute("SELECT pg_notify(%s, %s)", (channel, "43 cq"))
+    time.sleep(0.2)
+    waiter.notified({"other"})  # cq no longer consumed: its hints go
+    assert waiter.hints(["cq"]) == []

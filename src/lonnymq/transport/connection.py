@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import logging
 import os
+import re
 import select
 import threading
 import time
@@ -232,6 +233,7 @@ class PgClient(_Forkable):
 #: while producers create keeps no more than this (a claim of more would not apply anyway:
 #: what no ingest has seen is then more than the dequeue takes by hint).
 MAX_HINTS = 64
+_HINT_ID = re.compile(r"[0-9]{1,19}")
 
 
 class Waiter(_Forkable):
@@ -345,19 +347,30 @@ class Waiter(_Forkable):
                 for n in conn.notifies(timeout=0):
                     if n.channel == self.hint_channel:
                         ident, _, queue = n.payload.partition(" ")
-                        if queue in queues and ident.isdigit():
-                            with self._hints_lock:
-                                held = self._hints.setdefault(queue, set())
-                                if len(held) < MAX_HINTS:  # (more: the dequeue finds them)
-                                    held.add(int(ident))
+                        if queue in queues:
+                            self._hint(queue, ident)
                             found.add(queue)
                     elif n.payload in queues:
                         found.add(n.payload)
+                with self._hints_lock:  # (those of queues no longer consumed go)
+                    for queue in [q for q in self._hints if q not in queues]:
+                        del self._hints[queue]
                 return found
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
                 return set(queues)
+
+    def _hint(self, queue: str, ident: str) -> None:
+        """Keep a hint's id (any NOTIFY on the channel is read: what is not a message id is
+        dropped)."""
+        if _HINT_ID.fullmatch(ident) is None or not 0 < int(ident) < 2**63:
+            logger.debug("lonnymq: hint %r for queue %r ignored", ident, queue)
+            return
+        with self._hints_lock:
+            held = self._hints.setdefault(queue, set())
+            if len(held) < MAX_HINTS:  # (more: the dequeue finds them)
+                held.add(int(ident))
 
     def hints(self, queues: Collection[str]) -> list[int]:
         """Take the ids of the messages that creates of ``queues`` said they made since the
@@ -374,16 +387,22 @@ class Waiter(_Forkable):
             return self._conn
         if time.monotonic() - self._failed_at < 1.0:
             return None  # do not hammer a server that just refused us
+        conn: psycopg.Connection[Any] | None = None
         try:
             conn = _open(self.conninfo, self.connect_timeout, "listen")
             # through a pooler, LISTEN must work or the consumer refuses to start
             pooler.check_listen(
                 conn, self.conninfo, lambda: _open(self.conninfo, self.connect_timeout, "check")
             )
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
-            if self.hint_channel is not None:
-                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.hint_channel)))
-        except (ConnectionLost, psycopg.Error) as exc:
+            for channel in (self.channel, self.hint_channel):
+                if channel is not None:
+                    conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except BaseException as exc:
+            if conn is not None:  # (opened, then failed: not left open)
+                with contextlib.suppress(Exception):
+                    conn.close()
+            if not isinstance(exc, (ConnectionLost, psycopg.Error)):
+                raise
             self._failed_at = time.monotonic()
             logger.warning("lonnymq: LISTEN unavailable, polling instead: %s", exc)
             return None

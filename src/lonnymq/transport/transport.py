@@ -151,18 +151,22 @@ class Transport(virtual.Transport):
         kombu channel whose last fetch found nothing; the messages whose creates woke it
         (their ids came with the NOTIFY) are then taken by their ids when nothing else of its
         queues waits (``message_dequeue_hinted_v1``). A busy channel's hints are dropped."""
-        acks = self.acks.take()
         waiter = self._waiter
         hints = waiter.hints(queues) if waiter is not None else []
-        op = dequeue_op(
-            self.options.schema,
-            queues,
-            limit=limit,
-            lock_ms=self.options.lock_ms,
-            ack=[ack.ref for ack in acks],
-            listen=False,  # the consumer sleeps on its LISTEN session (see .sleep)
-            hints=hints if idle else (),
-        )
+        acks = self.acks.take()
+        try:
+            op = dequeue_op(
+                self.options.schema,
+                queues,
+                limit=limit,
+                lock_ms=self.options.lock_ms,
+                ack=[ack.ref for ack in acks],
+                listen=False,  # the consumer sleeps on its LISTEN session (see .sleep)
+                hints=hints if idle else (),
+            )
+        except BaseException:
+            self.acks.put_back(acks)
+            raise
         started = time.perf_counter()
         result = self._carrying(acks, op)
         events.dequeue_time(time.perf_counter() - started)

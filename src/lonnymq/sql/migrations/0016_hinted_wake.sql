@@ -208,7 +208,9 @@ BEGIN
                 JOIN {schema}.queue q ON q.name = w.queue
                 LEFT JOIN {schema}.channel c ON c.queue = w.queue AND c.name = w.channel
                 JOIN {schema}.message m ON m.id = ANY (p_hints)
-                WHERE m.queue = w.queue AND m.channel = w.channel
+                -- (what no ingest has seen: one the ingest counted is the dequeue's)
+                WHERE m.id IN (SELECT u.id FROM unseen u)
+                  AND m.queue = w.queue AND m.channel = w.channel
                   AND CASE WHEN c.has_policy
                            THEN c.own_max_concurrency IS NULL AND c.own_rate_count IS NULL
                            ELSE q.max_concurrency IS NULL AND q.rate_count IS NULL END
