@@ -12,6 +12,7 @@ the two served the call (the functions the call's transaction ran).
 
 from __future__ import annotations
 
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from lonnymq.transport import transport as transport_module
 from lonnymq.transport.connection import MAX_HINTS
 from tests.invariants import assert_consistent
 from tests.test_counters import counters
+from tests.test_plans import Recorder
 from tests.test_wakeup import Driver, Received, declared
 from tests.test_wakeup_take import asleep, discovery, lonnymq_id
 
@@ -405,3 +407,51 @@ def test_notifications_that_are_not_hints_are_dropped(
     time.sleep(0.2)
     waiter.notified({"other"})  # cq no longer consumed: its hints go
     assert waiter.hints(["cq"]) == []
+
+
+@pytest.mark.parametrize("hint", [False, True], ids=["take", "hint"])
+def test_a_held_snapshot_does_not_make_a_wake_up_walk_what_was_consumed(
+    broker: lonnymq.Broker, connect: Callable[..., Conn], hint: bool
+) -> None:
+    """Another session holds a snapshot while 3,000 messages are consumed: a wake-up's
+    dequeue (the take, or the hinted one) touches about as many buffers after as before. Both
+    read the messages they take by their ids; written with `lock_token IS NULL`, the generic
+    plan read message_txid_idx whole for them instead of the primary key, every dead entry
+    the held snapshot keeps (schema version 15: 44 buffers a wake-up, 86 after 1,500)."""
+    queue = broker.queue("q")
+    producer, consumer, bulk = connect(), connect(), connect()
+    asleep(broker, consumer)
+    holder = connect(autocommit=False)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute(sql.SQL("SELECT count(*) FROM {}.queue").format(sql.Identifier(broker.schema)))
+    recorder = Recorder(consumer)
+
+    def woken() -> int:
+        made = lonnymq_id(queue.channel("a").message.create(producer, b"x"))
+        state = discovery(bulk, broker.schema)
+        recorder.take()
+        op = dequeue_op(broker.schema, ["q"], limit=4, listen=False, hints=[made] if hint else ())
+        got = run(consumer, op)
+        [top] = [p for p in recorder.take() if p.text.lstrip().startswith("SELECT message_id")]
+        assert [m.id for m in got.messages] == [made]
+        assert discovery(bulk, broker.schema) == state  # a wake-up's dequeue: no ingest
+        assert not broker.dequeue(consumer, ["q"], ack=got.messages, listen=False)  # ingests
+        recorder.take()
+        return top.buffers
+
+    for _ in range(5):  # warm up
+        woken()
+    before = statistics.median(woken() for _ in range(15))
+    batch = queue.batch()
+    for i in range(3000):
+        batch.channel(f"c{i % 10}").message(f"m{i}")
+    batch.execute(bulk)
+    held: list[lonnymq.Message] = []
+    while True:
+        held = list(broker.dequeue(bulk, ["q"], limit=100, ack=held, listen=False).messages)
+        if not held:
+            break
+    after = statistics.median(woken() for _ in range(15))
+    holder.rollback()
+    assert after <= before + 20, (before, after)
+    assert_consistent(consumer, broker.schema)

@@ -11,7 +11,8 @@
 -- the previous version. A consumer woken by it dequeues with message_dequeue_hinted_v1,
 -- which takes the hinted messages by their ids when nothing else of its queues waits (the
 -- take's rules), in one statement, and otherwise hands the call to message_dequeue_v3.
--- No table changes.
+-- The take itself reads by the primary key (a held snapshot made it walk the dead entries of
+-- every consumed message). No table changes.
 
 -- Wake consumers of a queue that sleep (they hold its 'sleep' key): NOTIFY only then, so a
 -- busy queue's producers pay no NOTIFY (each costs a database-wide lock at commit). p_id
@@ -113,6 +114,118 @@ BEGIN
     PERFORM {schema}.wake_v2(p_queue, CASE WHEN coalesce(p_delay_ms, 0) <= 0 THEN message_id END);
 END;
 $$;
+-- The wake-up take (dequeue_take_v1, as in version 15) reads the messages it takes by the
+-- primary key: its test of "not locked" was `lock_token IS NULL`, the predicate of
+-- message_txid_idx, and its generic plan read that index whole for the ids, every dead entry
+-- that a snapshot held elsewhere keeps (54 buffers a wake-up after 1,500 consumed, growing).
+CREATE OR REPLACE FUNCTION {schema}.dequeue_take_v1(
+    p_queue text, p_limit integer, p_lock interval, p_now timestamptz
+)
+RETURNS TABLE (
+    message_id bigint,
+    queue_name text,
+    channel_name text,
+    message_name text,
+    message_priority smallint,
+    message_attempts integer,
+    message_lock_token uuid,
+    message_created_at timestamptz,
+    message_content bytea,
+    message_state bytea,
+    retry_ms bigint,
+    event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_seen integer;
+    v_channels text[];
+    v_ids bigint[];
+    v_lock_from timestamptz;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0)) THEN
+        RETURN;
+    END IF;
+    -- what no ingest has seen yet (of every queue: is it little?), this queue's part of it,
+    -- and the queue's lock position (none: its positions unknown, or heads of its lanes
+    -- pending)
+    WITH d AS MATERIALIZED (
+        SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1
+    ), unseen AS (
+        SELECT m.id, m.queue, m.channel
+        FROM d CROSS JOIN LATERAL (
+            SELECT m.* FROM {schema}.message m
+            WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL
+            ORDER BY m.txid LIMIT 64) AS m
+        UNION ALL
+        SELECT m.id, m.queue, m.channel
+        FROM d CROSS JOIN LATERAL pg_snapshot_xip(d.snap) AS x(txid)
+        CROSS JOIN LATERAL (
+            SELECT m.* FROM {schema}.message m
+            WHERE m.txid = x.txid AND m.lock_token IS NULL
+            LIMIT 64) AS m
+    )
+    SELECT count(*)::integer,
+           array_agg(DISTINCT u.channel::text) FILTER (WHERE u.queue = p_queue),
+           array_agg(u.id) FILTER (WHERE u.queue = p_queue),
+           (SELECT d.lock_from[array_position(d.queues, p_queue)] FROM d
+            WHERE p_queue <> ALL (d.pend_queue))
+    INTO v_seen, v_channels, v_ids, v_lock_from
+    FROM unseen u;
+    IF v_seen >= 64 OR cardinality(v_channels) IS DISTINCT FROM 1 OR v_lock_from IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+        WITH picked AS MATERIALIZED (
+            SELECT m.id, m.arrival
+            FROM {schema}.queue q
+            LEFT JOIN {schema}.channel c ON c.queue = q.name AND c.name = v_channels[1]
+            JOIN {schema}.message m ON m.id = ANY (v_ids)
+            WHERE q.name = p_queue
+              AND CASE WHEN c.has_policy
+                       THEN c.own_max_concurrency IS NULL AND c.own_rate_count IS NULL
+                       ELSE q.max_concurrency IS NULL AND q.rate_count IS NULL END
+              AND (SELECT e.locked_until FROM {schema}.message e
+                   WHERE e.queue = p_queue AND e.locked_until >= v_lock_from
+                     AND e.locked_until <= p_now
+                   ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
+              -- (not locked, written so that it proves no partial index's predicate: with
+              -- `lock_token IS NULL` the generic plan read message_txid_idx whole for these ids,
+              -- every dead entry a held snapshot keeps, instead of the primary key)
+              AND coalesce(m.lock_token, '00000000-0000-0000-0000-000000000000')
+                  = '00000000-0000-0000-0000-000000000000'
+              AND m.dequeue_at <= p_now
+              AND (m.expires_at IS NULL OR m.expires_at > p_now)
+              AND m.attempts < coalesce(q.max_attempts, 2147483647)
+            ORDER BY m.priority DESC, m.dequeue_at, m.id
+            LIMIT p_limit
+            FOR UPDATE OF m SKIP LOCKED
+        ), locked AS (
+            UPDATE {schema}.message m SET
+                locked_until = p_now + p_lock,
+                lock_token = gen_random_uuid(),
+                attempts = m.attempts + 1,
+                slotted = false,
+                arrival = 1
+            FROM picked p
+            WHERE m.id = p.id
+            RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts, m.lock_token,
+                      m.created_at, m.content, m.state, m.dequeue_at, p.arrival AS was
+        ), tallied AS (
+            INSERT INTO {schema}.tally (queue, channel, enqueued, delivered, lock_until, lock_id)
+            SELECT p_queue, v_channels[1], count(*) FILTER (WHERE k.was = 0), count(*),
+                   p_now + p_lock, min(k.id)
+            FROM locked k HAVING count(*) > 0
+        )
+        SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
+               k.lock_token, k.created_at, k.content, k.state, NULL::bigint, 'delivered'::text
+        FROM locked k ORDER BY k.priority DESC, k.dequeue_at, k.id;
+    IF FOUND THEN
+        PERFORM set_config('lonnymq.fresh', 'on', false);
+    END IF;
+END;
+$$;
+
 -- A dequeue that knows what woke it (schema version 16): p_hints, ids of messages that
 -- creates of the call's queues hinted (wake_v2) to this sleeping consumer. When they are all
 -- that no ingest has seen yet of these queues, and all of one channel, the call takes them by
@@ -214,7 +327,11 @@ BEGIN
                   AND CASE WHEN c.has_policy
                            THEN c.own_max_concurrency IS NULL AND c.own_rate_count IS NULL
                            ELSE q.max_concurrency IS NULL AND q.rate_count IS NULL END
-                  AND m.lock_token IS NULL AND m.dequeue_at <= v_now
+                  -- (not locked, written so that the ids are read by the primary key: see
+                  -- dequeue_take_v1)
+                  AND coalesce(m.lock_token, '00000000-0000-0000-0000-000000000000')
+                      = '00000000-0000-0000-0000-000000000000'
+                  AND m.dequeue_at <= v_now
                   AND (m.expires_at IS NULL OR m.expires_at > v_now)
                   AND m.attempts < coalesce(q.max_attempts, 2147483647)
                 ORDER BY m.priority DESC, m.dequeue_at, m.id

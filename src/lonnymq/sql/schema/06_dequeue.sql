@@ -194,7 +194,12 @@ BEGIN
                    WHERE e.queue = p_queue AND e.locked_until >= v_lock_from
                      AND e.locked_until <= p_now
                    ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
-              AND m.lock_token IS NULL AND m.dequeue_at <= p_now
+              -- (not locked, written so that it proves no partial index's predicate: with
+              -- `lock_token IS NULL` the generic plan read message_txid_idx whole for these ids,
+              -- every dead entry a held snapshot keeps, instead of the primary key)
+              AND coalesce(m.lock_token, '00000000-0000-0000-0000-000000000000')
+                  = '00000000-0000-0000-0000-000000000000'
+              AND m.dequeue_at <= p_now
               AND (m.expires_at IS NULL OR m.expires_at > p_now)
               AND m.attempts < coalesce(q.max_attempts, 2147483647)
             ORDER BY m.priority DESC, m.dequeue_at, m.id
@@ -1344,7 +1349,11 @@ BEGIN
                   AND CASE WHEN c.has_policy
                            THEN c.own_max_concurrency IS NULL AND c.own_rate_count IS NULL
                            ELSE q.max_concurrency IS NULL AND q.rate_count IS NULL END
-                  AND m.lock_token IS NULL AND m.dequeue_at <= v_now
+                  -- (not locked, written so that the ids are read by the primary key: see
+                  -- dequeue_take_v1)
+                  AND coalesce(m.lock_token, '00000000-0000-0000-0000-000000000000')
+                      = '00000000-0000-0000-0000-000000000000'
+                  AND m.dequeue_at <= v_now
                   AND (m.expires_at IS NULL OR m.expires_at > v_now)
                   AND m.attempts < coalesce(q.max_attempts, 2147483647)
                 ORDER BY m.priority DESC, m.dequeue_at, m.id
