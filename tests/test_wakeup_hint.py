@@ -455,3 +455,56 @@ def test_a_held_snapshot_does_not_make_a_wake_up_walk_what_was_consumed(
     holder.rollback()
     assert after <= before + 20, (before, after)
     assert_consistent(consumer, broker.schema)
+
+
+PARTIAL = ("message_ready_idx", "message_txid_idx", "message_locked_idx", "message_expires_idx")
+
+
+def test_reads_by_id_use_the_primary_key_when_the_partial_indexes_look_empty(
+    broker: lonnymq.Broker, connect: Callable[..., Conn]
+) -> None:
+    """With the statistics taken while every message was locked, the partial indexes of
+    `message` look empty, and a statement that finds messages by their ids and tests "not
+    locked" with an index's own predicate was planned as a read of that whole index, dead
+    entries and all: the wake-up take, the hinted dequeue and the read of what a pass could
+    not lock. None reads a partial index of `message` without an index condition (a retry
+    of a delayed message, by one id, is checked too)."""
+    queue = broker.queue("q")
+    conn, producer, probe = connect(), connect(), connect()
+    for i in range(30):
+        queue.channel("held").message.create(conn, f"h{i}")
+    assert len(broker.dequeue(conn, ["q"], limit=100, listen=False).messages) == 30
+    conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(broker.schema, "message")))
+    asleep(broker, probe, "w")
+    recorder = Recorder(probe)
+    # a wake-up: the take, then the hinted dequeue
+    for hint in (False, True):
+        made = lonnymq_id(broker.queue("w").channel("a").message.create(producer, "x"))
+        op = dequeue_op(broker.schema, ["w"], listen=False, hints=[made] if hint else ())
+        got = run(probe, op)
+        assert [m.id for m in got.messages] == [made]
+        assert not broker.dequeue(probe, ["w"], ack=got.messages, listen=False)
+    # a pass whose heads are past their time to live or their max_attempts (the leftovers)
+    gone = queue.channel("b").message.create(probe, "gone", ttl_ms=1)
+    kept = lonnymq_id(queue.channel("b").message.create(probe, "kept"))
+    time.sleep(0.01)
+    got = broker.dequeue(probe, ["q"], limit=5, listen=False)  # (it created: it ingests first)
+    assert [m.id for m in got.messages] == [kept], got
+    assert isinstance(gone, lonnymq.Created)
+    # a retry of a delayed message
+    later = lonnymq_id(queue.channel("c").message.create(probe, "later", delay_ms=60_000))
+    retried = probe.execute(
+        sql.SQL("SELECT result_code FROM {}.message_retry_v1(%s)").format(
+            sql.Identifier(broker.schema)
+        ),
+        ([later],),
+    ).fetchall()
+    assert retried == [("due_now",)]
+    whole = [
+        (p.text.strip().split("\n")[0][:80], node["Index Name"])
+        for p in recorder.take()
+        for node in p.nodes()
+        if node.get("Index Name") in PARTIAL and "Index Cond" not in node
+    ]
+    assert not whole, whole
+    assert_consistent(conn, broker.schema)

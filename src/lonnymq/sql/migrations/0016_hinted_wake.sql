@@ -11,8 +11,8 @@
 -- the previous version. A consumer woken by it dequeues with message_dequeue_hinted_v1,
 -- which takes the hinted messages by their ids when nothing else of its queues waits (the
 -- take's rules), in one statement, and otherwise hands the call to message_dequeue_v3.
--- The take itself reads by the primary key (a held snapshot made it walk the dead entries of
--- every consumed message). No table changes.
+-- The take itself and the leftovers of a pass read by the primary key (a held snapshot made
+-- the take walk the dead entries of every consumed message). No table changes.
 
 -- Wake consumers of a queue that sleep (they hold its 'sleep' key): NOTIFY only then, so a
 -- busy queue's producers pay no NOTIFY (each costs a database-wide lock at commit). p_id
@@ -226,6 +226,60 @@ BEGIN
 END;
 $$;
 
+-- The same trap in the read of the messages a pass could not lock (dequeue_leftovers_v1):
+-- with the queue's messages all locked when the statistics were taken, it was planned as a
+-- whole read of a partial index.
+CREATE OR REPLACE FUNCTION {schema}.dequeue_leftovers_v1(
+    p_take bigint[], p_locked bigint[], p_now timestamptz
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    message_attempts integer, message_created_at timestamptz
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    r record;
+    v_poison bigint[];
+BEGIN
+    FOR r IN
+        WITH gone AS (
+            DELETE FROM {schema}.message m
+            WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked) AND m.expires_at <= p_now
+            RETURNING m.queue, m.channel, m.sized
+        )
+        SELECT g.queue, g.channel, count(*)::integer AS n,
+               count(*) FILTER (WHERE g.sized)::integer AS sized
+        FROM gone g GROUP BY g.queue, g.channel
+    LOOP
+        INSERT INTO {schema}.tally (queue, channel, expired) VALUES (r.queue, r.channel, r.n);
+        IF r.sized > 0 THEN
+            PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, r.sized, 0);
+        END IF;
+    END LOOP;
+    -- (not locked, written so that it proves no partial index's predicate: see
+    -- dequeue_take_v1)
+    v_poison := ARRAY(
+        SELECT m.id FROM {schema}.message m
+        WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked)
+          AND coalesce(m.lock_token, '00000000-0000-0000-0000-000000000000')
+              = '00000000-0000-0000-0000-000000000000'
+        ORDER BY m.id);
+    IF cardinality(v_poison) > 0 THEN
+        RETURN QUERY
+            WITH b AS MATERIALIZED (
+                SELECT * FROM {schema}.message_bury_v1(v_poison, 'max_attempts')
+            ), tallied AS (
+                INSERT INTO {schema}.tally (queue, channel, dead)
+                SELECT b.queue_name, b.channel_name, count(*)
+                FROM b GROUP BY b.queue_name, b.channel_name
+            )
+            SELECT b.message_id, b.queue_name, b.channel_name, b.message_name,
+                   b.message_attempts, b.message_created_at
+            FROM b;
+    END IF;
+END;
+$$;
 -- A dequeue that knows what woke it (schema version 16): p_hints, ids of messages that
 -- creates of the call's queues hinted (wake_v2) to this sleeping consumer. When they are all
 -- that no ingest has seen yet of these queues, and all of one channel, the call takes them by

@@ -381,9 +381,13 @@ BEGIN
             PERFORM {schema}.channel_give_back_v1(r.queue, r.channel, r.sized, 0);
         END IF;
     END LOOP;
+    -- (not locked, written so that it proves no partial index's predicate: see
+    -- dequeue_take_v1)
     v_poison := ARRAY(
         SELECT m.id FROM {schema}.message m
-        WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked) AND m.locked_until IS NULL
+        WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked)
+          AND coalesce(m.lock_token, '00000000-0000-0000-0000-000000000000')
+              = '00000000-0000-0000-0000-000000000000'
         ORDER BY m.id);
     IF cardinality(v_poison) > 0 THEN
         RETURN QUERY
