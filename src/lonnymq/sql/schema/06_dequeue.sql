@@ -369,7 +369,10 @@ BEGIN
     FOR r IN
         WITH gone AS (
             DELETE FROM {schema}.message m
-            WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked) AND m.expires_at <= p_now
+            -- (by the primary key: `expires_at <= p_now` alone let message_expires_idx serve
+            -- it as a range of every expired message, dead entries included)
+            WHERE m.id = ANY (p_take) AND m.id <> ALL (p_locked)
+              AND coalesce(m.expires_at, 'infinity') <= p_now
             RETURNING m.queue, m.channel, m.sized
         )
         SELECT g.queue, g.channel, count(*)::integer AS n,
