@@ -111,6 +111,15 @@ def integer(value: object, what: str, *, low: int, high: int) -> int:
     return value
 
 
+#: The largest id a message (a Postgres bigint) can have.
+MAX_ID = 2**63 - 1
+
+
+def message_id(value: object, what: str = "message id") -> int:
+    """A message's id: an int from 1 to :data:`MAX_ID`."""
+    return integer(value, what, low=1, high=MAX_ID)
+
+
 def boolean(value: object, what: str) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgument(f"{what} must be True or False, not {value!r}")

@@ -173,7 +173,7 @@ def dequeue_op(
         return DequeueResult(messages, retry_ms, dead, acked)
 
     if hints:
-        hinted = [_checks.integer(h, "hint", low=1, high=2**63 - 1) for h in hints]
+        hinted = [_checks.message_id(h, "hint") for h in hints]
         params_h = (names, hinted, count, lock, ids or None, tokens or None, bool(listen))
         return Op(schema, render(_DEQUEUE_HINTED, schema), params_h, parse)
     params = (names, count, lock, ids or None, tokens or None, bool(listen))

@@ -83,7 +83,7 @@ def list_op(
         None if queue is None else _checks.name(queue, "queue"),
         None if channel is None else _checks.name(channel, "channel"),
         state_arg(state),
-        _checks.integer(after, "after", low=0, high=2**63 - 1),
+        _checks.integer(after, "after", low=0, high=_checks.MAX_ID),
         _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT),
         order,
         after_due,

@@ -268,7 +268,7 @@ def channels_op(
 
 
 def get_op(schema: str, message_id: int) -> Op[MessageDetail | None]:
-    ident = _checks.integer(message_id, "message id", low=1, high=2**63 - 1)
+    ident = _checks.message_id(message_id)
 
     def parse(rows: Rows) -> MessageDetail | None:
         return MessageDetail(*rows[0]) if rows else None
@@ -279,7 +279,7 @@ def get_op(schema: str, message_id: int) -> Op[MessageDetail | None]:
 def _ids(ids: object) -> list[int]:
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise InvalidArgument("message ids must be a list of integers")
-    out = [_checks.integer(i, "message id", low=1, high=2**63 - 1) for i in ids]
+    out = [_checks.message_id(i) for i in ids]
     if len(out) > MAX_IDS:
         raise InvalidArgument(f"at most {MAX_IDS} message ids per call, not {len(out)}")
     return out
@@ -335,7 +335,7 @@ def update_op(
     """Reschedule or edit a ready or delayed message (None keeps what it has). Raises
     :class:`~lonnymq.MessageLocked` for a message in flight and
     :class:`~lonnymq.MessageNotFound` for a missing id or a dead letter."""
-    ident = _checks.integer(message_id, "message id", low=1, high=2**63 - 1)
+    ident = _checks.message_id(message_id)
     if delay_ms is not None and at is not None:
         raise InvalidArgument("give delay_ms or at, not both")
     delay = (

@@ -30,6 +30,7 @@ from psycopg.conninfo import conninfo_to_dict
 from .. import migrator
 from ..dsn import mask_password
 from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
+from ..queue._checks import MAX_ID
 from ..queue._ops import Op, async_commit, flush_op, run, translate
 from . import pooler, sweep
 
@@ -364,7 +365,7 @@ class Waiter(_Forkable):
     def _hint(self, queue: str, ident: str) -> None:
         """Keep a hint's id (any NOTIFY on the channel is read: what is not a message id is
         dropped)."""
-        if _HINT_ID.fullmatch(ident) is None or not 0 < int(ident) < 2**63:
+        if _HINT_ID.fullmatch(ident) is None or not 0 < int(ident) <= MAX_ID:
             logger.debug("lonnymq: hint %r for queue %r ignored", ident, queue)
             return
         with self._hints_lock:

@@ -181,7 +181,7 @@ def _list_args(request: Request) -> dict[str, Any]:
         "queue": queue_name,
         "channel": channel,
         "state": state,
-        "after": int_param(request, "after", 0, 0, 2**63 - 1),
+        "after": int_param(request, "after", 0, 0, _checks.MAX_ID),
         "limit": int_param(request, "limit", DEFAULT_MESSAGES, 1, MAX_PAGE),
         "order": order,
         "after_due": _after_due(request),
@@ -202,7 +202,7 @@ async def api_messages(request: Request) -> Response:
 
 def _message_id(request: Request) -> int:
     value: int = request.path_params["id"]
-    if not 1 <= value <= 2**63 - 1:
+    if not 1 <= value <= _checks.MAX_ID:
         raise BadRequest(f"no message id {value}: ids are from 1 to 2^63-1")
     return value
 
