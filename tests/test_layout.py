@@ -41,17 +41,7 @@ SQL_CALL = re.compile(r"\{schema\}\.(\w+)\s*\(")
 #: Functions over MAX_SQL_LINES for now: the length each has today, which it may not pass, and
 #: why. As with OVER_LIMIT, an entry that got shorter than its figure must take the new figure
 #: (or leave the list once under the limit), so the list only ever shrinks.
-SQL_OVER_LIMIT: dict[str, tuple[int, str]] = {
-    "message_dequeue_v3": (
-        556,
-        "steps 0, 3, 5 and 6 and parts of 4 are functions of their own; the ingest decision,"
-        " step 4's passes and the usual call are still blocks of the one body (issue 'The usual"
-        " dequeue'); 572 -> 583 for the usual call read again after its ingest (a wake-up's"
-        " dequeue 2.28 -> 1.77 ms); 583 -> 590 for a wake-up served without the ingest when no lane"
-        " is due (dequeue_take_v1); 590 -> 556 for what a pass could not lock, a function of its"
-        " own (dequeue_leftovers_v1), and its variables named in words",
-    ),
-}
+SQL_OVER_LIMIT: dict[str, tuple[int, str]] = {}
 _CELERY = ("lonnymq.celery", "lonnymq.celery_steps", "lonnymq.celery_cli")
 #: What each layer may not import (a module, with its submodules): the queue API nothing above
 #: it; the transport neither the command line nor the Celery helpers; the command line, which

@@ -256,15 +256,16 @@ def _describe(plan: Plan) -> str:
 # fragments of their text as auto_explain reports it), so that the checks below cannot pass
 # by capturing nothing.
 EXPECTED_STATEMENTS = {
-    "message_dequeue_v3 (queues)": "array_agg(coalesce(q.max_attempts",
-    "message_dequeue_v3 (the usual call)": "LIMIT p_limit + 1 FOR UPDATE SKIP LOCKED",
+    "dequeue_queues_v1": "array_agg(coalesce(q.max_attempts",
+    "dequeue_look_v1 (the usual call)": "LIMIT p_limit + 1 FOR UPDATE SKIP LOCKED",
     "dequeue_expired_v1": "e.locked_until >= u.lf AND e.locked_until <= p_now",
     "dequeue_expired_v1 (relock)": "WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)",
-    "message_dequeue_v3 (lanes whose turn it is)": "THEN v_after_id ELSE 0 END)",
+    "dequeue_lanes_v1 (lanes whose turn it is)": "THEN p_after_id ELSE 0 END)",
     "lane_heads_v1": "LIMIT u.quota + 1 FOR UPDATE SKIP LOCKED",
-    "message_dequeue_v3 (lock the taken messages)": "WHERE m.id = ANY (v_take)",
-    "message_dequeue_v3 (acks)": "m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]",
-    "message_dequeue_v3 (tally)": "cardinality(array_positions(v_ev_kind, 'delivered'))",
+    "message_dequeue_v3 (lock the usual call's heads)": "WHERE m.id = ANY (v_take)",
+    "dequeue_pass_lock_v1 (lock the taken messages)": "WHERE m.id = ANY (p_take)",
+    "dequeue_look_v1 (acks)": "m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]",
+    "tally_events_v1 (one channel)": "cardinality(array_positions(p_k, 'delivered'))",
     "tally_events_v1": "FROM unnest(p_q, p_c, p_k)",
     "lane_advance_v1": "(m.dequeue_at, m.id) >= (p_lane.pos_at[1], p_lane.pos_id[1])",
     "ingest_fresh_v1 (what committed since)": "WITH fresh AS MATERIALIZED",

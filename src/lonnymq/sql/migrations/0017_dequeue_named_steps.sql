@@ -1,0 +1,759 @@
+-- lonnymq migration 17.
+
+-- =============================================================================================
+-- The dequeue as named steps (issue "The usual dequeue at the speed of Postgres")
+-- =============================================================================================
+--
+-- message_dequeue_v3 was one function of 556 lines; it is now its steps, each a function of
+-- under 150 lines, with the same statements, the same rules and the same results: step 1,
+-- the acks and the usual call's read (dequeue_look_v1); the usual call's serve and the
+-- wake-up's take stay in message_dequeue_v3; the general path (dequeue_general_v1: steps 2 to
+-- 6) calls the lanes' steps 4 and 5 (dequeue_lanes_v1), whose passes read their heads
+-- (dequeue_pass_heads_v1) and lock them (dequeue_pass_lock_v1). Steps hand their rows back
+-- as arrays of a new row type, delivery. The tally of a call's events (tally_events_v1)
+-- writes the row of one channel itself, as the dequeue did. Same signature: clients of
+-- version 16 call it as before. No table changes.
+
+-- A dequeue's rows, as message_dequeue_v3 returns them: what its steps hand back to it.
+-- (Created where it is missing: a repair of a half-installed schema reads this file again,
+-- and there is no CREATE TYPE IF NOT EXISTS.)
+DO $$
+BEGIN
+    CREATE TYPE {schema}.delivery AS (
+        message_id bigint,
+        queue_name text,
+        channel_name text,
+        message_name text,
+        message_priority smallint,
+        message_attempts integer,
+        message_lock_token uuid,
+        message_created_at timestamptz,
+        message_content bytea,
+        message_state bytea,
+        retry_ms bigint,
+        event text
+    );
+EXCEPTION WHEN duplicate_object THEN
+    NULL;
+END;
+$$;
+
+-- The tally of a dequeue's events (p_q, p_c, p_k: queue, channel, kind): one row per
+-- channel; one channel, the usual case, without an aggregate. p_lock_until and p_lock_id go
+-- with the deliveries (the ingest keeps the queue's earliest lock with them).
+CREATE OR REPLACE FUNCTION {schema}.tally_events_v1(
+    p_q text[], p_c text[], p_k text[], p_lock_until timestamptz, p_lock_id bigint
+)
+RETURNS void
+-- (plpgsql: its plan is kept for the session, where a LANGUAGE sql body is planned at each call)
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF coalesce(cardinality(p_q), 0) = 0 THEN
+        RETURN;
+    ELSIF p_q <@ ARRAY[p_q[1]] AND p_c <@ ARRAY[p_c[1]] THEN
+        INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
+        VALUES (p_q[1], p_c[1], cardinality(array_positions(p_k, 'delivered')),
+                cardinality(array_positions(p_k, 'acked')),
+                CASE WHEN 'delivered' = ANY (p_k) THEN p_lock_until END,
+                CASE WHEN 'delivered' = ANY (p_k) THEN p_lock_id END);
+        RETURN;
+    END IF;
+    INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
+                                dead_held, lock_until, lock_id)
+    SELECT u.q, u.c, count(*) FILTER (WHERE u.k = 'delivered'),
+           count(*) FILTER (WHERE u.k = 'redelivered'), count(*) FILTER (WHERE u.k = 'acked'),
+           count(*) FILTER (WHERE u.k = 'expired'), count(*) FILTER (WHERE u.k = 'dead'),
+           count(*) FILTER (WHERE u.k = 'dead_held'),
+           CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN p_lock_until END,
+           CASE WHEN bool_or(u.k IN ('delivered', 'redelivered')) THEN p_lock_id END
+    FROM unnest(p_q, p_c, p_k) AS u(q, c, k)
+    GROUP BY u.q, u.c;
+END;
+$$;
+
+-- Step 1: the acks (p_ack_ids, p_ack_tokens; NULL: none) deleted, in the same statement as
+-- the usual call's read: the ingest's state, the lanes of p_queue whose turn it is (oldest
+-- turn first; two: is the first the only one?) and, when the call is the usual one
+-- (p_usual), the first lane's heads from its position. The heads are read only when the
+-- ingest's state is fresh, no lock of the queue is past its expiry, the lane has no limit
+-- and one priority, and it is the only one due or one message is asked for: due, ingested,
+-- not held by anyone, one more than asked for (has it more?); those past their time to live
+-- or their max_attempts negated (the general steps handle them). Of the acks: the messages
+-- deleted, and of each its queue, channel, sized and slotted.
+CREATE FUNCTION {schema}.dequeue_look_v1(
+    p_queue text, p_limit integer, p_ack_ids bigint[], p_ack_tokens uuid[], p_usual boolean,
+    p_now timestamptz, OUT gone_ids bigint[], OUT gone_queues text[], OUT gone_channels text[],
+    OUT gone_sized boolean[], OUT gone_slotted boolean[], OUT due_lanes {schema}.lane[],
+    OUT head_ids bigint[]
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    WITH gone AS (
+        DELETE FROM {schema}.message m
+        WHERE m.id = ANY (p_ack_ids)
+          AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+        RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+    )
+    SELECT a.ids, a.queues, a.channels, a.sized, a.slotted, s.lanes, s.heads
+    INTO gone_ids, gone_queues, gone_channels, gone_sized, gone_slotted, due_lanes, head_ids
+    FROM (SELECT array_agg(g.id) AS ids, array_agg(g.queue) AS queues,
+                 array_agg(g.channel) AS channels, array_agg(g.sized) AS sized,
+                 array_agg(g.slotted) AS slotted
+          FROM gone g) AS a
+    LEFT JOIN LATERAL (
+        SELECT x.lanes, h.heads
+        FROM (SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1) AS d
+        JOIN {schema}.queue q ON q.name = p_queue
+        -- the lanes whose turn it is, oldest turn first
+        CROSS JOIN LATERAL (
+            SELECT ARRAY(
+                SELECT l FROM {schema}.lane l
+                WHERE l.queue = p_queue
+                  AND l.turn_at >= coalesce(
+                      d.turn_from[array_position(d.queues, p_queue)], '-infinity')
+                  AND l.turn_at <= p_now + interval '1 millisecond'
+                ORDER BY l.turn_at, l.id LIMIT 2) AS lanes
+            OFFSET 0) AS x  -- (read once, not at each use of its column)
+        -- the first one's heads, when the call is the usual one
+        CROSS JOIN LATERAL (
+            SELECT ARRAY(
+                SELECT CASE WHEN m.expires_at <= p_now
+                                 OR m.attempts >= coalesce(q.max_attempts, 2147483647)
+                            THEN -m.id ELSE m.id END
+                FROM {schema}.message m
+                WHERE p_usual AND d.taken_at >= p_now - interval '10 milliseconds'
+                  AND d.folded_at >= p_now - interval '1 second'
+                  AND p_queue = ANY (d.queues)
+                  AND NOT (cardinality(d.pend_queue) > 0
+                           AND d.taken_at < p_now - interval '5 milliseconds')
+                  AND NOT (x.lanes[1]).limited AND cardinality((x.lanes[1]).prios) = 1
+                  AND (p_limit = 1 OR cardinality(x.lanes) = 1)
+                  -- (the first one in lock order, from the queue's lock position: an
+                  -- EXISTS loses the order, and was planned as a read of the whole
+                  -- locked index)
+                  AND (SELECT e.locked_until FROM {schema}.message e
+                       WHERE e.queue = p_queue
+                         AND e.locked_until >= coalesce(
+                             d.lock_from[array_position(d.queues, p_queue)], '-infinity')
+                         AND e.locked_until <= p_now
+                       ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
+                  AND m.queue = p_queue AND m.channel = (x.lanes[1]).channel
+                  AND m.locked_until IS NULL AND m.priority = ((x.lanes[1]).prios)[1]
+                  AND (m.dequeue_at, m.id) >= (((x.lanes[1]).pos_at)[1],
+                                               ((x.lanes[1]).pos_id)[1])
+                  AND m.dequeue_at <= p_now
+                  AND pg_visible_in_snapshot(m.txid, d.snap)
+                ORDER BY m.priority DESC, m.dequeue_at, m.id
+                LIMIT p_limit + 1
+                FOR UPDATE SKIP LOCKED) AS heads) AS h
+    ) AS s ON true;
+END;
+$$;
+
+-- Step 4, a pass's heads: of each lane of p_lanes (positions in p_cands) at most its quota
+-- and one more (has it more?), in rank order (lane_heads_v1); one lane of one priority, the
+-- usual pass, read without it.
+CREATE FUNCTION {schema}.dequeue_pass_heads_v1(
+    p_cands {schema}.lane[], p_lanes integer[], p_quota integer[], p_snap pg_snapshot,
+    p_now timestamptz, OUT ids bigint[], OUT lanes integer[], OUT ranks integer[]
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_lane {schema}.lane := p_cands[p_lanes[1]];
+BEGIN
+    IF cardinality(p_lanes) = 1 AND cardinality(v_lane.prios) = 1 THEN
+        ids := ARRAY(
+            SELECT m.id FROM {schema}.message m
+            WHERE m.queue = v_lane.queue AND m.channel = v_lane.channel
+              AND m.locked_until IS NULL AND m.priority = (v_lane.prios)[1]
+              AND (m.dequeue_at, m.id) >= ((v_lane.pos_at)[1], (v_lane.pos_id)[1])
+              AND m.dequeue_at <= p_now
+              AND pg_visible_in_snapshot(m.txid, p_snap)
+            ORDER BY m.priority DESC, m.dequeue_at, m.id
+            LIMIT p_quota[1] + 1
+            FOR UPDATE SKIP LOCKED);
+        lanes := array_fill(p_lanes[1], ARRAY[cardinality(ids)]);
+        ranks := ARRAY(SELECT generate_series(1, cardinality(ids)));
+        RETURN;
+    END IF;
+    SELECT x.ids, x.lanes, x.ranks INTO ids, lanes, ranks
+    FROM {schema}.lane_heads_v1(p_cands, p_lanes, p_quota, p_snap, p_now) AS x;
+END;
+$$;
+
+-- Step 4, a pass's messages locked (p_take, by primary key; p_slotted: those that take a
+-- slot of their channel's max_concurrency) for p_lock: the rows to return, in rank order,
+-- then lane order (p_heads, p_head_lane, p_head_rank: the pass's heads; p_taken: what each
+-- lane gave before), and what each lane gave with them (taken) and their queues and channels
+-- for the tally. Those past their time to live or delivered max_attempts times
+-- (p_max_attempts, per queue of p_names) are left out of the lock, and expired or
+-- dead-lettered (dequeue_leftovers_v1; rows 'dead', counted in dead).
+CREATE FUNCTION {schema}.dequeue_pass_lock_v1(
+    p_cands {schema}.lane[], p_lanes integer[], p_heads bigint[], p_head_lane integer[],
+    p_head_rank integer[], p_take bigint[], p_slotted bigint[], p_taken integer[],
+    p_names text[], p_max_attempts integer[], p_lock interval, p_now timestamptz,
+    OUT deliveries {schema}.delivery[], OUT locked_ids bigint[], OUT taken integer[],
+    OUT ev_queue text[], OUT ev_channel text[], OUT dead integer
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_at integer := p_lanes[1];
+    v_leftovers {schema}.delivery[];
+BEGIN
+    taken := p_taken;
+    IF cardinality(p_lanes) = 1 THEN
+        -- (one lane: its heads are in rank order already)
+        WITH locked AS (
+            UPDATE {schema}.message m SET
+                locked_until = p_now + p_lock,
+                lock_token = gen_random_uuid(),
+                attempts = m.attempts + 1,
+                slotted = m.id = ANY (p_slotted)
+            WHERE m.id = ANY (p_take)
+              AND (m.expires_at IS NULL OR m.expires_at > p_now)
+              AND m.attempts < p_max_attempts[array_position(p_names, m.queue)]
+            RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                      m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+        )
+        SELECT array_agg(ROW(l.id, l.queue, l.channel, l.name, l.priority, l.attempts,
+                             l.lock_token, l.created_at, l.content, l.state, NULL,
+                             'delivered')::{schema}.delivery
+                         ORDER BY l.priority DESC, l.dequeue_at, l.id)
+        INTO deliveries
+        FROM locked l;
+    ELSE
+        -- (several lanes: in rank order, then lane order)
+        WITH locked AS (
+            UPDATE {schema}.message m SET
+                locked_until = p_now + p_lock,
+                lock_token = gen_random_uuid(),
+                attempts = m.attempts + 1,
+                slotted = m.id = ANY (p_slotted)
+            WHERE m.id = ANY (p_take) AND (m.expires_at IS NULL OR m.expires_at > p_now)
+              AND m.attempts < p_max_attempts[array_position(p_names, m.queue)]
+            RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                      m.lock_token, m.created_at, m.content, m.state
+        )
+        SELECT array_agg(ROW(l.id, l.queue, l.channel, l.name, l.priority, l.attempts,
+                             l.lock_token, l.created_at, l.content, l.state, NULL,
+                             'delivered')::{schema}.delivery
+                         ORDER BY p_taken[t.l] + t.rn, t.l)
+        INTO deliveries
+        FROM locked l
+        JOIN unnest(p_heads, p_head_lane, p_head_rank) AS t(id, l, rn) ON t.id = l.id;
+    END IF;
+    deliveries := coalesce(deliveries, ARRAY[]::{schema}.delivery[]);
+    locked_ids := CASE WHEN cardinality(deliveries) = cardinality(p_take) THEN p_take
+                   WHEN cardinality(deliveries) = 0 THEN ARRAY[]::bigint[]
+                   ELSE ARRAY(SELECT m.id FROM {schema}.message m
+                              WHERE m.id = ANY (p_take) AND m.lock_token IS NOT NULL) END;
+    -- what each lane gave, and the deliveries' queues and channels
+    IF cardinality(p_lanes) = 1 THEN
+        taken[v_at] := taken[v_at] + cardinality(locked_ids);
+        ev_queue := array_fill((p_cands[v_at]).queue::text, ARRAY[cardinality(locked_ids)]);
+        ev_channel := array_fill((p_cands[v_at]).channel::text, ARRAY[cardinality(locked_ids)]);
+    ELSE
+        SELECT array_agg(p_taken[g.i] + coalesce(c.n, 0) ORDER BY g.i) INTO taken
+        FROM generate_series(1, cardinality(p_taken)) AS g(i)
+        LEFT JOIN (SELECT t.l, count(*)::integer AS n
+                   FROM unnest(p_heads, p_head_lane) AS t(id, l)
+                   WHERE t.id = ANY (locked_ids) GROUP BY t.l) AS c ON c.l = g.i;
+        SELECT coalesce(array_agg((p_cands[t.l]).queue::text), ARRAY[]::text[]),
+               coalesce(array_agg((p_cands[t.l]).channel::text), ARRAY[]::text[])
+        INTO ev_queue, ev_channel
+        FROM unnest(p_heads, p_head_lane) AS t(id, l)
+        WHERE t.id = ANY (locked_ids);
+    END IF;
+    dead := 0;
+    IF cardinality(locked_ids) < cardinality(p_take) THEN
+        v_leftovers := ARRAY(
+            SELECT ROW(r.message_id, r.queue_name, r.channel_name, r.message_name, NULL,
+                       r.message_attempts, NULL, r.message_created_at, NULL, NULL, NULL,
+                       'dead')::{schema}.delivery
+            FROM {schema}.dequeue_leftovers_v1(p_take, locked_ids, p_now) AS r);
+        dead := cardinality(v_leftovers);
+        deliveries := deliveries || v_leftovers;
+    END IF;
+END;
+$$;
+
+-- Step 4 and 5: the lanes of p_names whose turn it is (turn_at from the queue's position
+-- p_turn_from, or past the lane p_after_at, p_after_id when the call looks again, to now
+-- + 1 ms: a lane another consumer has just moved to the back, at its clock, is due for this
+-- one too), oldest turn first, at most one per message the call still needs (p_left; one
+-- more is read: does another wait?), read with the ingest's latest snapshot (a lane version
+-- is never newer than the snapshot its positions are read with). Claimed (lanes_claim_v1),
+-- then up to 8 passes: each gives every lane that may give more an equal share of what is
+-- left (rounded up, never more than is left). Then the owned lanes are rewritten
+-- (lanes_served_v1). Returns the rows (deliveries; 'dead' ones among them), what was
+-- delivered (got, and the deliveries' queues and channels for the tally, with the earliest
+-- lock and its message), the lanes served (served; more_due: another lane was due; last_*:
+-- the last one's turn, where a call that got nothing looks again), the snapshot and the time
+-- (looked_at) the lanes were read with.
+CREATE FUNCTION {schema}.dequeue_lanes_v1(
+    p_names text[], p_turn_from timestamptz[], p_max_attempts integer[],
+    p_after_at timestamptz, p_after_id bigint, p_left integer, p_lock interval,
+    OUT deliveries {schema}.delivery[], OUT got integer, OUT dead integer,
+    OUT ev_queue text[], OUT ev_channel text[], OUT lock_until timestamptz,
+    OUT lock_id bigint, OUT served integer, OUT more_due boolean,
+    OUT last_turn_at timestamptz, OUT last_id bigint, OUT snap pg_snapshot,
+    OUT looked_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_due {schema}.lane[];
+    v_claim record;
+    v_left integer := p_left;
+    -- per lane: taken, more due, done
+    v_taken integer[]; v_more boolean[]; v_done boolean[];
+    v_passes integer := 0;
+    v_lanes integer[];
+    v_quota integer[];
+    v_share integer;
+    v_heads record;
+    v_take bigint[];
+    v_slotted bigint[];
+    v_pass record;
+    i integer;
+BEGIN
+    deliveries := ARRAY[]::{schema}.delivery[];
+    got := 0; dead := 0; served := 0; more_due := false;
+    ev_queue := ARRAY[]::text[]; ev_channel := ARRAY[]::text[];
+    looked_at := clock_timestamp();
+    IF cardinality(p_names) = 1 THEN
+        SELECT ARRAY(
+            SELECT l FROM {schema}.lane l
+            WHERE l.queue = p_names[1]
+              AND (l.turn_at, l.id) > (coalesce(p_after_at, p_turn_from[1]), p_after_id)
+              AND l.turn_at <= looked_at + interval '1 millisecond'
+            ORDER BY l.turn_at, l.id LIMIT v_left + 1),
+            (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+        INTO v_due, snap;
+    ELSE
+        SELECT ARRAY(
+            SELECT x.l FROM unnest(p_names, p_turn_from) AS u(q, tf)
+            CROSS JOIN LATERAL (
+                SELECT l FROM {schema}.lane l
+                WHERE l.queue = u.q
+                  AND (l.turn_at, l.id) > (GREATEST(u.tf, p_after_at),
+                      CASE WHEN p_after_at >= u.tf THEN p_after_id ELSE 0 END)
+                  AND l.turn_at <= looked_at + interval '1 millisecond'
+                ORDER BY l.turn_at, l.id LIMIT v_left + 1
+            ) AS x
+            ORDER BY (x.l).turn_at, (x.l).id LIMIT v_left + 1),
+            (SELECT d.snap FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1)
+        INTO v_due, snap;
+    END IF;
+    served := LEAST(cardinality(v_due), v_left);
+    IF served = 0 THEN
+        RETURN;
+    END IF;
+    more_due := cardinality(v_due) > served;
+    last_turn_at := (v_due[served]).turn_at;
+    last_id := (v_due[served]).id;
+    v_claim := {schema}.lanes_claim_v1(v_due, served, v_left, looked_at);
+    v_taken := array_fill(0, ARRAY[served]);
+    v_more := array_fill(false, ARRAY[served]);
+    v_done := array_fill(false, ARRAY[served]);
+    LOOP
+        v_passes := v_passes + 1;
+        -- the lanes that may give more, and the share of each
+        IF served = 1 THEN
+            v_lanes := CASE WHEN NOT v_done[1] AND (v_claim.cap)[1] > v_taken[1]
+                            THEN ARRAY[1] ELSE ARRAY[]::integer[] END;
+        ELSE
+            v_lanes := ARRAY(SELECT g.i FROM generate_series(1, served) AS g(i)
+                             WHERE NOT v_done[g.i] AND (v_claim.cap)[g.i] > v_taken[g.i]
+                             ORDER BY g.i);
+        END IF;
+        EXIT WHEN cardinality(v_lanes) = 0 OR v_left <= 0 OR v_passes > 8;
+        v_share := ceil(v_left::numeric / cardinality(v_lanes))::integer;
+        IF cardinality(v_lanes) = 1 THEN
+            v_quota := ARRAY[LEAST(v_share, (v_claim.cap)[v_lanes[1]] - v_taken[v_lanes[1]])];
+        ELSE
+            v_quota := ARRAY(SELECT LEAST(v_share, (v_claim.cap)[u.i] - v_taken[u.i])
+                             FROM unnest(v_lanes) AS u(i));
+        END IF;
+        v_heads := {schema}.dequeue_pass_heads_v1(v_due, v_lanes, v_quota, snap, looked_at);
+        FOR i IN 1 .. cardinality(v_lanes) LOOP
+            v_more[v_lanes[i]] := coalesce(array_length(
+                array_positions(v_heads.lanes, v_lanes[i]), 1), 0) > v_quota[i];
+            v_done[v_lanes[i]] := v_done[v_lanes[i]] OR NOT v_more[v_lanes[i]];
+        END LOOP;
+        -- (the quotas are rounded up: never more than the call has left, in rank order)
+        IF cardinality(v_lanes) = 1 THEN
+            v_take := (v_heads.ids)[1:v_quota[1]];
+        ELSE
+            v_take := ARRAY(
+                SELECT t.id FROM unnest(v_heads.ids, v_heads.lanes, v_heads.ranks) AS t(id, l, rn)
+                JOIN unnest(v_lanes, v_quota) AS u(i, quota) ON u.i = t.l
+                WHERE t.rn <= u.quota
+                ORDER BY t.rn, t.l LIMIT v_left);
+        END IF;
+        EXIT WHEN coalesce(cardinality(v_take), 0) = 0;
+        IF cardinality(v_lanes) = 1 THEN
+            v_slotted := CASE WHEN (v_claim.max_concurrency)[v_lanes[1]] IS NOT NULL THEN v_take
+                              ELSE ARRAY[]::bigint[] END;
+        ELSE
+            v_slotted := ARRAY(
+                SELECT t.id FROM unnest(v_heads.ids, v_heads.lanes) AS t(id, l)
+                WHERE t.id = ANY (v_take) AND (v_claim.max_concurrency)[t.l] IS NOT NULL);
+        END IF;
+        v_pass := {schema}.dequeue_pass_lock_v1(
+            v_due, v_lanes, v_heads.ids, v_heads.lanes, v_heads.ranks, v_take, v_slotted,
+            v_taken, p_names, p_max_attempts, p_lock, looked_at);
+        deliveries := deliveries || v_pass.deliveries;
+        v_taken := v_pass.taken;
+        ev_queue := ev_queue || v_pass.ev_queue;
+        ev_channel := ev_channel || v_pass.ev_channel;
+        dead := dead + v_pass.dead;
+        got := got + cardinality(v_pass.locked_ids);
+        v_left := p_left - got;
+        IF cardinality(v_pass.locked_ids) > 0 AND lock_until IS NULL THEN
+            lock_until := looked_at + p_lock;
+            lock_id := (v_pass.locked_ids)[1];
+        END IF;
+    END LOOP;
+    -- 5. the owned lanes: positions past what they took, the turn to the back (or at the next
+    --    due message, or none)
+    PERFORM {schema}.lanes_served_v1(v_due, served, v_claim.own, v_taken, v_more,
+                                     v_claim.max_concurrency, v_claim.room, v_claim.rate,
+                                     v_claim.tat, v_claim.tokens, v_claim.burst, looked_at);
+END;
+$$;
+
+-- The dequeue's general path, for what the usual call (message_dequeue_v3's steps 1 and 2)
+-- did not serve: p_state, the ingest's state the call read (p_ingested: it ingested), p_now
+-- its time, p_ev_*: the events of its acks, tallied here with the deliveries. Steps 2 to 6
+-- (docs/design.md, "The dequeue"): an ingest when the state is old; the messages whose lock
+-- expired; the lanes whose turn it is; and when nothing was found, the sleep (p_listen) and
+-- one more look after an ingest. Returns the rows, or the one that says nothing was found
+-- (message_id NULL, retry_ms).
+CREATE FUNCTION {schema}.dequeue_general_v1(
+    p_queues text[], p_limit integer, p_lock interval, p_listen boolean,
+    p_state {schema}.discovery, p_ingested boolean, p_now timestamptz, p_ev_queue text[],
+    p_ev_channel text[], p_ev_kind text[]
+)
+RETURNS SETOF {schema}.delivery
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_state {schema}.discovery := p_state;
+    v_ingested boolean := p_ingested;
+    v_now timestamptz := p_now;
+    v_slept boolean := false;
+    v_waited boolean := false;
+    v_busy boolean := false;
+    v_got integer := 0;
+    v_dead integer := 0;
+    v_queues record;
+    v_lanes record;
+    r record;
+    -- where a call that got nothing from the lanes it read looks again, and how often it did
+    v_after_at timestamptz;
+    v_after_id bigint := 0;
+    v_passed integer := 0;
+    -- events for the tally: queue, channel, kind; the earliest lock and its message
+    v_ev_queue text[] := p_ev_queue;
+    v_ev_channel text[] := p_ev_channel;
+    v_ev_kind text[] := p_ev_kind;
+    v_lock_until timestamptz;
+    v_lock_id bigint;
+    v_retry bigint;
+BEGIN
+    LOOP
+        -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
+        --    points from which lanes are read past the versions consumers superseded
+        --    meanwhile: dead rows that a snapshot held elsewhere keeps from being vacuumed),
+        --    and below when this call finds nothing in what is ingested. Not at every call:
+        --    an ingest costs several times a delivery, and with messages waiting a consumer
+        --    has no need of the newest ones.
+        IF NOT v_ingested AND current_setting('lonnymq.fresh', true) = 'on' THEN
+            PERFORM set_config('lonnymq.fresh', '', false);
+            v_state := {schema}.ingest_wait_v1(p_queues);
+            v_ingested := true;
+            -- (a caller that sleeps on its own, p_listen false, is not ingested for again in
+            -- step 6: this ingest waited for any other already; one that sleeps here is, after
+            -- it registers as sleeping)
+            v_waited := NOT p_listen;
+            v_now := clock_timestamp();
+        ELSIF NOT v_ingested
+           AND (v_state.taken_at < v_now - interval '10 milliseconds'
+                OR v_state.folded_at < v_now - interval '1 second'
+                OR NOT (p_queues <@ v_state.queues)
+                -- (heads an ingest could not write, their lane being served: soon, not at
+                -- once, or a busy lane would have every call ingest)
+                OR (cardinality(v_state.pend_queue) > 0
+                    AND v_state.taken_at < v_now - interval '5 milliseconds')) THEN
+            v_state := {schema}.ingest_v1(p_queues, false, false);
+            v_ingested := true;
+            v_now := clock_timestamp();
+        END IF;
+
+        -- the queues, their settings and positions; is there a lock past its expiry?
+        v_queues := {schema}.dequeue_queues_v1(p_queues, v_state, v_now);
+
+        -- 3. messages whose lock expired: taken over first (or dead-lettered)
+        IF v_queues.expired AND p_limit > v_got THEN
+            FOR r IN SELECT * FROM {schema}.dequeue_expired_v1(
+                         v_queues.names, v_queues.lock_from, v_queues.max_attempts,
+                         p_limit - v_got, v_now, p_lock) AS x LOOP
+                v_dead := v_dead + (r.event = 'dead')::integer;
+                v_got := v_got + (r.event = 'redelivered')::integer;
+                RETURN QUERY SELECT r.message_id, r.queue_name, r.channel_name, r.message_name,
+                    r.message_priority, r.message_attempts, r.message_lock_token,
+                    r.message_created_at, r.message_content, r.message_state, NULL::bigint,
+                    r.event;
+            END LOOP;
+        END IF;
+
+        -- 4. and 5. lanes whose turn it is (dequeue_lanes_v1)
+        IF p_limit > v_got AND v_queues.names IS NOT NULL THEN
+            v_lanes := {schema}.dequeue_lanes_v1(
+                v_queues.names, v_queues.turn_from, v_queues.max_attempts, v_after_at,
+                v_after_id, p_limit - v_got, p_lock);
+            v_now := v_lanes.looked_at;
+            v_state.snap := coalesce(v_lanes.snap, v_state.snap);
+            IF cardinality(v_lanes.deliveries) > 0 THEN
+                RETURN QUERY SELECT * FROM unnest(v_lanes.deliveries);
+            END IF;
+            v_got := v_got + v_lanes.got;
+            v_dead := v_dead + v_lanes.dead;
+            v_ev_queue := v_ev_queue || v_lanes.ev_queue;
+            v_ev_channel := v_ev_channel || v_lanes.ev_channel;
+            v_ev_kind := v_ev_kind || array_fill('delivered'::text, ARRAY[v_lanes.got]);
+            IF v_lanes.lock_until IS NOT NULL
+               AND (v_lock_until IS NULL OR v_lanes.lock_until < v_lock_until) THEN
+                v_lock_until := v_lanes.lock_until;
+                v_lock_id := v_lanes.lock_id;
+            END IF;
+            -- (nothing from these lanes, their heads held by other calls, say: the next look
+            -- starts after them, at once when another lane is due, up to 8 times)
+            IF v_lanes.served > 0 AND v_got = 0 THEN
+                v_after_at := v_lanes.last_turn_at;
+                v_after_id := v_lanes.last_id;
+                v_passed := v_passed + 1;
+                CONTINUE WHEN v_lanes.more_due AND v_passed <= 8;
+            END IF;
+        END IF;
+        EXIT WHEN v_got > 0;
+
+        -- 6. nothing. A listening caller registers as sleeping, checks for producers still
+        --    in their transactions (they may have looked for sleepers before), then looks
+        --    once more: a producer that commits after that sees it sleeping and notifies.
+        IF p_listen AND NOT v_slept THEN
+            v_slept := true;
+            v_busy := {schema}.dequeue_sleep_v1(p_queues);
+            v_ingested := false;
+            v_now := clock_timestamp();
+            CONTINUE;
+        END IF;
+        -- (then ingest, waiting a little for an ingest another consumer is running: what it
+        -- brings in is not deliverable before it commits, and answering "nothing" meanwhile
+        -- would send this caller to sleep while messages wait)
+        EXIT WHEN v_waited;
+        v_waited := true;
+        v_state := {schema}.ingest_wait_v1(p_queues);
+        v_ingested := true;
+        v_now := clock_timestamp();
+    END LOOP;
+
+    PERFORM {schema}.tally_events_v1(v_ev_queue, v_ev_channel, v_ev_kind, v_lock_until,
+                                     v_lock_id);
+    IF v_got = 0 THEN
+        -- (after dead-lettering, look again at once: what comes next may be deliverable)
+        v_retry := CASE WHEN v_dead > 0 THEN 0
+                        ELSE {schema}.queue_retry_ms_v1(p_queues, v_state) END;
+        IF v_busy THEN
+            v_retry := LEAST(coalesce(v_retry, 20), 20);
+        END IF;
+        RETURN NEXT ROW(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, v_retry,
+                        NULL)::{schema}.delivery;
+    END IF;
+END;
+$$;
+
+-- Dequeue up to p_limit messages from the given queues and lock them for p_lock_ms; with
+-- p_ack_ids/p_ack_tokens, delete those held messages first (a consumer's acks travel with
+-- its next dequeue: rows 'ack_state_invalid' / 'ack_not_found' for those that did not
+-- apply). Messages whose lock expired come first (their holder is gone); then lanes whose
+-- turn it is are served round-robin, the one waiting longest first, an equal share each,
+-- within a channel's max_concurrency; within a lane, highest priority, then earliest due,
+-- then oldest. Rows come back in delivery order. When nothing is available, one row comes
+-- back with message_id NULL and retry_ms: milliseconds until something may become available
+-- (NULL: nothing is pending). With p_listen, a caller that gets nothing is registered as
+-- sleeping on its queues until its next call: their producers then send a NOTIFY. A message
+-- delivered max_attempts times already (of its queue) goes to the dead letters instead and
+-- comes back as a row with event 'dead'; a delivered message's event is 'delivered', or
+-- 'redelivered' when its previous lock had expired.
+--
+-- Nothing here waits for another transaction: a consumer owns a lane for its call when it
+-- gets the lane's advisory key (it then moves the lane to the back and its positions past
+-- what it took); a lane owned by another consumer is served too, without being written,
+-- unless it has a max_concurrency (whose count is under the channel row, locked by its owner).
+--
+-- The steps (docs/design.md, "The dequeue"): 0, the sleep keys of the caller's last call
+-- released; 1, the acks and the usual call's read in one statement (dequeue_look_v1); 2, the
+-- usual call served (one queue, a lane without limits: its heads locked and the call tallied
+-- in one statement), or, when no lane is due, what woke the caller taken (dequeue_take_v1),
+-- or after an ingest, read once more; otherwise the general path (dequeue_general_v1: steps
+-- 2 to 6).
+CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v3(
+    p_queues text[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
+    p_ack_tokens uuid[], p_listen boolean
+)
+RETURNS TABLE (
+    message_id bigint, queue_name text, channel_name text, message_name text,
+    message_priority smallint, message_attempts integer, message_lock_token uuid,
+    message_created_at timestamptz, message_content bytea, message_state bytea,
+    retry_ms bigint, event text
+)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_state {schema}.discovery;
+    v_ingested boolean := false;
+    v_usual boolean;
+    v_look record;  -- step 1: the acks deleted, the lanes due, the heads (dequeue_look_v1)
+    v_lane {schema}.lane;
+    v_take bigint[];
+    v_got integer;
+    v_acked integer;  -- acks tallied with the deliveries
+    v_apart boolean;  -- acks of another channel, tallied apart
+    v_keys text;  -- the sleep keys held
+    -- the acks' events for the tally: queue, channel, kind
+    v_ev_queue text[] := ARRAY[]::text[];
+    v_ev_channel text[] := ARRAY[]::text[];
+    v_ev_kind text[] := ARRAY[]::text[];
+BEGIN
+    -- 0. a caller that slept (it found nothing last time) is awake again
+    v_keys := current_setting('lonnymq.sleeping', true);
+    IF v_keys IS NOT NULL AND v_keys <> '' THEN
+        PERFORM {schema}.dequeue_wake_v1(v_keys);
+    END IF;
+    v_usual := cardinality(p_queues) = 1 AND p_limit > 0
+        AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
+    IF NOT v_usual AND coalesce(cardinality(p_ack_ids), 0) = 0 THEN
+        SELECT * INTO v_state FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        RETURN QUERY SELECT * FROM {schema}.dequeue_general_v1(
+            p_queues, p_limit, v_lock, p_listen, v_state, false, v_now, v_ev_queue,
+            v_ev_channel, v_ev_kind);
+        RETURN;
+    END IF;
+    LOOP  -- (a second round, after an ingest, for the usual call only)
+        -- 1. the acks (the first round only), and the usual call's read
+        v_now := clock_timestamp();
+        v_look := {schema}.dequeue_look_v1(
+            p_queues[1], p_limit, CASE WHEN v_ingested THEN NULL ELSE p_ack_ids END,
+            p_ack_tokens, v_usual, v_now);
+        IF v_look.gone_ids IS NOT NULL THEN
+            v_ev_queue := v_look.gone_queues;
+            v_ev_channel := v_look.gone_channels;
+            v_ev_kind := array_fill('acked'::text, ARRAY[cardinality(v_look.gone_ids)]);
+            IF true = ANY (v_look.gone_sized) OR true = ANY (v_look.gone_slotted) THEN
+                PERFORM {schema}.ack_give_back_v1(v_look.gone_queues, v_look.gone_channels,
+                                                  v_look.gone_sized, v_look.gone_slotted);
+            END IF;
+        END IF;
+        -- (those that did not apply: a row each)
+        IF NOT v_ingested
+           AND coalesce(cardinality(v_look.gone_ids), 0) < coalesce(cardinality(p_ack_ids), 0) THEN
+            RETURN QUERY
+                SELECT o.message_id, NULL::text, NULL::text, NULL::text, NULL::smallint,
+                       NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+                       NULL::bigint, 'ack_' || o.result_code
+                FROM {schema}.ack_outcome_v1(p_ack_ids, v_look.gone_ids) AS o
+                WHERE o.result_code <> 'ok';
+        END IF;
+
+        -- 2. the usual call, served: its heads locked and returned, and the call tallied, in
+        --    one statement (with the acks: on the deliveries' row when of the lane's
+        --    channel, else on a row of their own when of one channel, else at the end)
+        v_take := (v_look.head_ids)[1:p_limit];
+        IF v_usual AND cardinality(v_take) > 0 AND NOT 0 > ANY (v_take) THEN
+            v_lane := (v_look.due_lanes)[1];
+            v_got := cardinality(v_take);
+            v_acked := CASE WHEN v_look.gone_queues <@ ARRAY[v_lane.queue::text]
+                                 AND v_look.gone_channels <@ ARRAY[v_lane.channel::text]
+                            THEN cardinality(v_look.gone_ids) ELSE 0 END;
+            v_apart := v_acked = 0 AND v_look.gone_queues <@ ARRAY[v_look.gone_queues[1]]
+                AND v_look.gone_channels <@ ARRAY[v_look.gone_channels[1]];
+            RETURN QUERY
+                WITH locked AS (
+                    UPDATE {schema}.message m SET
+                        locked_until = v_now + v_lock,
+                        lock_token = gen_random_uuid(),
+                        attempts = m.attempts + 1,
+                        slotted = false
+                    WHERE m.id = ANY (v_take)
+                    RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
+                              m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+                ), tallied AS (
+                    INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
+                    SELECT v_lane.queue, v_lane.channel, v_got, v_acked, v_now + v_lock, v_take[1]
+                    UNION ALL
+                    SELECT v_look.gone_queues[1], v_look.gone_channels[1], 0,
+                           cardinality(v_look.gone_ids), NULL, NULL
+                    WHERE v_apart
+                )
+                SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
+                       k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
+                       'delivered'::text
+                FROM locked k ORDER BY k.dequeue_at, k.id;
+            IF v_acked > 0 OR v_apart THEN  -- (tallied)
+                v_ev_queue := ARRAY[]::text[];
+            END IF;
+            -- the lane, owned with its key: moved to the back, its position past what was
+            -- taken, as in step 5 (unless it is the only one due, has more, and was written a
+            -- moment ago), read with the latest snapshot of the ingest
+            IF pg_try_advisory_xact_lock({schema}.lane_key_v1(v_lane.queue, v_lane.channel))
+               AND NOT (cardinality(v_look.due_lanes) = 1
+                        AND cardinality(v_look.head_ids) > p_limit
+                        AND v_lane.served_at > '-infinity'
+                        AND v_lane.written_at > v_now - interval '5 milliseconds') THEN
+                PERFORM {schema}.lane_advance_v1(v_lane, clock_timestamp() + interval '1 microsecond');
+            END IF;
+            EXIT;
+        END IF;
+        -- (the usual call found nothing, as after a wake-up: with no lane due, what woke it
+        -- taken without an ingest; else, when the ingest's state was old, ingested and read
+        -- again, once)
+        IF v_usual AND NOT v_ingested AND cardinality(v_look.due_lanes) = 0 THEN
+            RETURN QUERY SELECT * FROM {schema}.dequeue_take_v1(p_queues[1], p_limit, v_lock, v_now);
+            GET DIAGNOSTICS v_got = ROW_COUNT;
+            EXIT WHEN v_got > 0;
+        END IF;
+        SELECT * INTO v_state FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        IF v_ingested OR NOT v_usual OR coalesce(cardinality(v_look.head_ids), 0) > 0
+           OR ((v_look.due_lanes)[1]).limited OR cardinality(((v_look.due_lanes)[1]).prios) > 1
+           OR NOT (v_state.taken_at < v_now - interval '10 milliseconds'
+                   OR v_state.folded_at < v_now - interval '1 second'
+                   OR NOT (p_queues <@ v_state.queues)) THEN
+            RETURN QUERY SELECT * FROM {schema}.dequeue_general_v1(
+                p_queues, p_limit, v_lock, p_listen, v_state, v_ingested, v_now, v_ev_queue,
+                v_ev_channel, v_ev_kind);
+            RETURN;
+        END IF;
+        v_state := {schema}.ingest_v1(p_queues, false, false);
+        v_ingested := true;
+    END LOOP;
+    -- (served: the acks not tallied with the deliveries)
+    PERFORM {schema}.tally_events_v1(v_ev_queue, v_ev_channel, v_ev_kind, NULL, NULL);
+END;
+$$;
+
+-- CREATE OR REPLACE keeps the grants but resets the settings: as before, the dequeue runs
+-- with the owner's rights and a fixed search_path. Its steps are internal.
+ALTER FUNCTION {schema}.message_dequeue_v3(text[], integer, bigint, bigint[], uuid[], boolean)
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+REVOKE ALL ON FUNCTION {schema}.dequeue_look_v1(text, integer, bigint[], uuid[], boolean, timestamptz)
+    FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_pass_heads_v1({schema}.lane[], integer[], integer[], pg_snapshot, timestamptz)
+    FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_pass_lock_v1({schema}.lane[], integer[], bigint[], integer[], integer[], bigint[], bigint[], integer[], text[], integer[], interval, timestamptz)
+    FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_lanes_v1(text[], timestamptz[], integer[], timestamptz, bigint, integer, interval)
+    FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_general_v1(text[], integer, interval, boolean, {schema}.discovery, boolean, timestamptz, text[], text[], text[])
+    FROM PUBLIC;
