@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any
@@ -174,6 +175,36 @@ def test_dequeue_across_queues(broker: lonnymq.Broker, conn: Conn) -> None:
     got = broker.dequeue(conn, ["q1", "q2"], limit=10)
     assert sorted(m.content for m in got.messages) == [b"1", b"2"]
     assert {m.queue for m in got.messages} == {"q1", "q2"}
+
+
+@pytest.mark.parametrize("queues", [["q1", "q2"], ["q1"]])
+def test_large_and_small_contents_come_back_whole_in_order(
+    broker: lonnymq.Broker, conn: Conn, queues: list[str]
+) -> None:
+    """Every path of the dequeue returns each message's content and state whole, large or
+    small, in its order: several queues or channels take the general path, whose steps hand
+    back small messages with their content and large ones (over 8 kB) without it, read by id
+    at the end (schema version 17)."""
+    sizes = [10, 9_000, 100, 300_000, 8_100, 5]
+    made: dict[int, bytes] = {}
+    for i, size in enumerate(sizes):
+        content = os.urandom(size)  # (random: not compressed below the threshold)
+        created = (
+            broker.queue(queues[i % len(queues)]).channel(f"c{i % 3}").message.create(conn, content)
+        )
+        assert isinstance(created, Created)
+        made[created.id] = content
+    first = broker.dequeue(conn, queues, limit=3, lock_ms=60_000)
+    states = {m.id: os.urandom(20_000 if i % 2 else 50) for i, m in enumerate(first.messages)}
+    for m in first.messages:  # back with a state, large or small, and the others after them
+        assert m.defer(conn, delay_ms=None, state=states[m.id]) is Outcome.OK
+    seen: dict[int, tuple[bytes, bytes | None]] = {}
+    while got := broker.dequeue(conn, queues, limit=4, lock_ms=60_000):
+        for m in got.messages:
+            seen[m.id] = (m.content, m.state)
+        assert broker.delete_many(conn, got.messages)
+    assert {i: c for i, (c, _) in seen.items()} == made
+    assert {i: s for i, (_, s) in seen.items() if s is not None} == states
 
 
 def test_create_is_part_of_the_caller_transaction(queue: lonnymq.Queue, connect: Any) -> None:

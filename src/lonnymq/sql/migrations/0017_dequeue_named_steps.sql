@@ -8,10 +8,11 @@
 -- under 150 lines, with the same statements, the same rules and the same results: step 1,
 -- the acks and the usual call's read (dequeue_look_v1); the usual call's serve and the
 -- wake-up's take stay in message_dequeue_v3; the general path (dequeue_general_v1: steps 2 to
--- 6) calls the lanes' steps 4 and 5 (dequeue_lanes_v1), whose passes read their heads
--- (dequeue_pass_heads_v1) and lock them (dequeue_pass_lock_v1). Steps hand their rows back
--- as arrays of a new row type, delivery. The tally of a call's events (tally_events_v1)
--- writes the row of one channel itself, as the dequeue did. Same signature: clients of
+-- 6) calls the ingest when the state is old (dequeue_ingest_v1) and the lanes' steps 4 and
+-- 5 (dequeue_lanes_v1), whose passes read their heads (dequeue_pass_heads_v1) and lock them
+-- (dequeue_pass_lock_v1). Steps hand their rows back as arrays of a new row type, delivery
+-- (large contents are read by id at the end). The tally of a call's events
+-- (tally_events_v1) writes the row of one channel itself, as the dequeue did. Same signature: clients of
 -- version 16 call it as before. No table changes.
 
 -- A dequeue's rows, as message_dequeue_v3 returns them: what its steps hand back to it.
@@ -51,11 +52,16 @@ BEGIN
     IF coalesce(cardinality(p_q), 0) = 0 THEN
         RETURN;
     ELSIF p_q <@ ARRAY[p_q[1]] AND p_c <@ ARRAY[p_c[1]] THEN
-        INSERT INTO {schema}.tally (queue, channel, delivered, acked, lock_until, lock_id)
+        INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired,
+                                    dead, dead_held, lock_until, lock_id)
         VALUES (p_q[1], p_c[1], cardinality(array_positions(p_k, 'delivered')),
+                cardinality(array_positions(p_k, 'redelivered')),
                 cardinality(array_positions(p_k, 'acked')),
-                CASE WHEN 'delivered' = ANY (p_k) THEN p_lock_until END,
-                CASE WHEN 'delivered' = ANY (p_k) THEN p_lock_id END);
+                cardinality(array_positions(p_k, 'expired')),
+                cardinality(array_positions(p_k, 'dead')),
+                cardinality(array_positions(p_k, 'dead_held')),
+                CASE WHEN p_k && ARRAY['delivered', 'redelivered'] THEN p_lock_until END,
+                CASE WHEN p_k && ARRAY['delivered', 'redelivered'] THEN p_lock_id END);
         RETURN;
     END IF;
     INSERT INTO {schema}.tally (queue, channel, delivered, redelivered, acked, expired, dead,
@@ -187,7 +193,10 @@ $$;
 -- lane gave before), and what each lane gave with them (taken) and their queues and channels
 -- for the tally. Those past their time to live or delivered max_attempts times
 -- (p_max_attempts, per queue of p_names) are left out of the lock, and expired or
--- dead-lettered (dequeue_leftovers_v1; rows 'dead', counted in dead).
+-- dead-lettered (dequeue_leftovers_v1; rows 'dead', counted in dead). A message whose content
+-- and state take more than 8 kB comes back without them (content NULL, which no message
+-- has): an array is one value, of at most 1 GB, and its elements are copied out of TOAST;
+-- the caller reads such content by id (dequeue_general_v1).
 CREATE FUNCTION {schema}.dequeue_pass_lock_v1(
     p_cands {schema}.lane[], p_lanes integer[], p_heads bigint[], p_head_lane integer[],
     p_head_rank integer[], p_take bigint[], p_slotted bigint[], p_taken integer[],
@@ -213,10 +222,13 @@ BEGIN
               AND (m.expires_at IS NULL OR m.expires_at > p_now)
               AND m.attempts < p_max_attempts[array_position(p_names, m.queue)]
             RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
-                      m.lock_token, m.created_at, m.content, m.state, m.dequeue_at
+                      m.lock_token, m.created_at, m.content, m.state, m.dequeue_at,
+                      pg_column_size(m.content) + coalesce(pg_column_size(m.state), 0)
+                          <= 8192 AS small
         )
         SELECT array_agg(ROW(l.id, l.queue, l.channel, l.name, l.priority, l.attempts,
-                             l.lock_token, l.created_at, l.content, l.state, NULL,
+                             l.lock_token, l.created_at, CASE WHEN l.small THEN l.content END,
+                             CASE WHEN l.small THEN l.state END, NULL,
                              'delivered')::{schema}.delivery
                          ORDER BY l.priority DESC, l.dequeue_at, l.id)
         INTO deliveries
@@ -232,10 +244,13 @@ BEGIN
             WHERE m.id = ANY (p_take) AND (m.expires_at IS NULL OR m.expires_at > p_now)
               AND m.attempts < p_max_attempts[array_position(p_names, m.queue)]
             RETURNING m.id, m.queue, m.channel, m.name, m.priority, m.attempts,
-                      m.lock_token, m.created_at, m.content, m.state
+                      m.lock_token, m.created_at, m.content, m.state,
+                      pg_column_size(m.content) + coalesce(pg_column_size(m.state), 0)
+                          <= 8192 AS small
         )
         SELECT array_agg(ROW(l.id, l.queue, l.channel, l.name, l.priority, l.attempts,
-                             l.lock_token, l.created_at, l.content, l.state, NULL,
+                             l.lock_token, l.created_at, CASE WHEN l.small THEN l.content END,
+                             CASE WHEN l.small THEN l.state END, NULL,
                              'delivered')::{schema}.delivery
                          ORDER BY p_taken[t.l] + t.rn, t.l)
         INTO deliveries
@@ -422,6 +437,42 @@ BEGIN
 END;
 $$;
 
+-- Step 2: ingest what committed since the ingest's state p_state (read at p_now) when it
+-- is old: every 10 ms (which also moves the points from which lanes are read past the
+-- versions consumers superseded meanwhile: dead rows that a snapshot held elsewhere keeps
+-- from being vacuumed), when the last fold is a second old, when a queue of p_queues is not
+-- in it yet, or when heads an ingest could not write wait (after 5 ms: soon, not at once, or
+-- a busy lane would have every call ingest); and, waiting for an ingest another consumer is
+-- running, when this session created or requeued something (lonnymq.fresh: its next call
+-- sees what it did, in its place). Not at every call: an ingest costs several times a
+-- delivery, and with messages waiting a consumer has no need of the newest ones. The new
+-- state, and when it was taken (ingested_at; NULL: no ingest). waited: the ingest waited
+-- for any other, so a caller that sleeps on its own (p_listen false) is not ingested for
+-- again in step 6; one that sleeps here is, after it registers as sleeping.
+CREATE FUNCTION {schema}.dequeue_ingest_v1(
+    p_queues text[], p_listen boolean, p_state {schema}.discovery, p_now timestamptz,
+    OUT state {schema}.discovery, OUT waited boolean, OUT ingested_at timestamptz
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    state := p_state;
+    waited := false;
+    IF current_setting('lonnymq.fresh', true) = 'on' THEN
+        PERFORM set_config('lonnymq.fresh', '', false);
+        state := {schema}.ingest_wait_v1(p_queues);
+        waited := NOT p_listen;
+        ingested_at := clock_timestamp();
+    ELSIF p_state.taken_at < p_now - interval '10 milliseconds'
+          OR p_state.folded_at < p_now - interval '1 second'
+          OR NOT (p_queues <@ p_state.queues)
+          OR (cardinality(p_state.pend_queue) > 0
+              AND p_state.taken_at < p_now - interval '5 milliseconds') THEN
+        state := {schema}.ingest_v1(p_queues, false, false);
+        ingested_at := clock_timestamp();
+    END IF;
+END;
+$$;
+
 -- The dequeue's general path, for what the usual call (message_dequeue_v3's steps 1 and 2)
 -- did not serve: p_state, the ingest's state the call read (p_ingested: it ingested), p_now
 -- its time, p_ev_*: the events of its acks, tallied here with the deliveries. Steps 2 to 6
@@ -445,6 +496,7 @@ DECLARE
     v_busy boolean := false;
     v_got integer := 0;
     v_dead integer := 0;
+    v_ingest record;
     v_queues record;
     v_lanes record;
     r record;
@@ -461,32 +513,15 @@ DECLARE
     v_retry bigint;
 BEGIN
     LOOP
-        -- 2. ingest what committed since the snapshot: every 10 ms (which also moves the
-        --    points from which lanes are read past the versions consumers superseded
-        --    meanwhile: dead rows that a snapshot held elsewhere keeps from being vacuumed),
-        --    and below when this call finds nothing in what is ingested. Not at every call:
-        --    an ingest costs several times a delivery, and with messages waiting a consumer
-        --    has no need of the newest ones.
-        IF NOT v_ingested AND current_setting('lonnymq.fresh', true) = 'on' THEN
-            PERFORM set_config('lonnymq.fresh', '', false);
-            v_state := {schema}.ingest_wait_v1(p_queues);
-            v_ingested := true;
-            -- (a caller that sleeps on its own, p_listen false, is not ingested for again in
-            -- step 6: this ingest waited for any other already; one that sleeps here is, after
-            -- it registers as sleeping)
-            v_waited := NOT p_listen;
-            v_now := clock_timestamp();
-        ELSIF NOT v_ingested
-           AND (v_state.taken_at < v_now - interval '10 milliseconds'
-                OR v_state.folded_at < v_now - interval '1 second'
-                OR NOT (p_queues <@ v_state.queues)
-                -- (heads an ingest could not write, their lane being served: soon, not at
-                -- once, or a busy lane would have every call ingest)
-                OR (cardinality(v_state.pend_queue) > 0
-                    AND v_state.taken_at < v_now - interval '5 milliseconds')) THEN
-            v_state := {schema}.ingest_v1(p_queues, false, false);
-            v_ingested := true;
-            v_now := clock_timestamp();
+        -- 2. ingest what committed since the snapshot, when it is old (dequeue_ingest_v1)
+        IF NOT v_ingested THEN
+            v_ingest := {schema}.dequeue_ingest_v1(p_queues, p_listen, v_state, v_now);
+            IF v_ingest.ingested_at IS NOT NULL THEN
+                v_state := v_ingest.state;
+                v_ingested := true;
+                v_waited := v_waited OR v_ingest.waited;
+                v_now := v_ingest.ingested_at;
+            END IF;
         END IF;
 
         -- the queues, their settings and positions; is there a lock past its expiry?
@@ -514,7 +549,21 @@ BEGIN
             v_now := v_lanes.looked_at;
             v_state.snap := coalesce(v_lanes.snap, v_state.snap);
             IF cardinality(v_lanes.deliveries) > 0 THEN
-                RETURN QUERY SELECT * FROM unnest(v_lanes.deliveries);
+                -- (in their order; the content of large messages read by id, here)
+                RETURN QUERY
+                    SELECT d.message_id, d.queue_name, d.channel_name, d.message_name,
+                           d.message_priority, d.message_attempts, d.message_lock_token,
+                           d.message_created_at,
+                           CASE WHEN d.event = 'delivered' AND d.message_content IS NULL
+                                THEN (SELECT m.content FROM {schema}.message m
+                                      WHERE m.id = d.message_id)
+                                ELSE d.message_content END,
+                           CASE WHEN d.event = 'delivered' AND d.message_content IS NULL
+                                THEN (SELECT m.state FROM {schema}.message m
+                                      WHERE m.id = d.message_id)
+                                ELSE d.message_state END,
+                           d.retry_ms, d.event
+                    FROM unnest(v_lanes.deliveries) AS d;
             END IF;
             v_got := v_got + v_lanes.got;
             v_dead := v_dead + v_lanes.dead;
@@ -557,8 +606,10 @@ BEGIN
         v_now := clock_timestamp();
     END LOOP;
 
-    PERFORM {schema}.tally_events_v1(v_ev_queue, v_ev_channel, v_ev_kind, v_lock_until,
-                                     v_lock_id);
+    IF cardinality(v_ev_queue) > 0 THEN
+        PERFORM {schema}.tally_events_v1(v_ev_queue, v_ev_channel, v_ev_kind, v_lock_until,
+                                         v_lock_id);
+    END IF;
     IF v_got = 0 THEN
         -- (after dead-lettering, look again at once: what comes next may be deliverable)
         v_retry := CASE WHEN v_dead > 0 THEN 0
@@ -596,7 +647,8 @@ $$;
 -- usual call served (one queue, a lane without limits: its heads locked and the call tallied
 -- in one statement), or, when no lane is due, what woke the caller taken (dequeue_take_v1),
 -- or after an ingest, read once more; otherwise the general path (dequeue_general_v1: steps
--- 2 to 6).
+-- 2 to 6). The steps are internal, called by this function only, and planned under its
+-- settings (generic plans, no sequential or bitmap scans), which they do not set again.
 CREATE OR REPLACE FUNCTION {schema}.message_dequeue_v3(
     p_queues text[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
     p_ack_tokens uuid[], p_listen boolean
@@ -738,8 +790,9 @@ BEGIN
         v_state := {schema}.ingest_v1(p_queues, false, false);
         v_ingested := true;
     END LOOP;
-    -- (served: the acks not tallied with the deliveries)
-    PERFORM {schema}.tally_events_v1(v_ev_queue, v_ev_channel, v_ev_kind, NULL, NULL);
+    IF cardinality(v_ev_queue) > 0 THEN  -- (served: acks not tallied with the deliveries)
+        PERFORM {schema}.tally_events_v1(v_ev_queue, v_ev_channel, v_ev_kind, NULL, NULL);
+    END IF;
 END;
 $$;
 
@@ -754,6 +807,8 @@ REVOKE ALL ON FUNCTION {schema}.dequeue_pass_heads_v1({schema}.lane[], integer[]
 REVOKE ALL ON FUNCTION {schema}.dequeue_pass_lock_v1({schema}.lane[], integer[], bigint[], integer[], integer[], bigint[], bigint[], integer[], text[], integer[], interval, timestamptz)
     FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.dequeue_lanes_v1(text[], timestamptz[], integer[], timestamptz, bigint, integer, interval)
+    FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.dequeue_ingest_v1(text[], boolean, {schema}.discovery, timestamptz)
     FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.dequeue_general_v1(text[], integer, interval, boolean, {schema}.discovery, boolean, timestamptz, text[], text[], text[])
     FROM PUBLIC;
