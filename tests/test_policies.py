@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -11,7 +12,8 @@ import pytest
 from psycopg import sql
 
 import lonnymq
-from lonnymq import ChannelFull, Created, Dropped, Policy
+from lonnymq import ChannelFull, Created, Dropped, Outcome, Policy
+from tests.invariants import assert_consistent
 
 Conn = psycopg.Connection[Any]
 
@@ -270,3 +272,67 @@ def test_notify_on_create_defer_and_freed_slot(
 
 def test_wake_channel_is_per_schema(broker: lonnymq.Broker) -> None:
     assert broker.wake_channel == f"{broker.schema}_wake"
+
+
+def functions_ran(conn: Conn, schema: str, call: Callable[[], Any]) -> tuple[Any, set[str]]:
+    """``call()``'s result and the schema's functions its transaction ran."""
+    conn.execute("SET track_functions = 'all'")
+    query = "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE schemaname = %s"
+    with conn.transaction():
+        before = dict(conn.execute(query, (schema,)).fetchall())
+        result = call()
+        after = dict(conn.execute(query, (schema,)).fetchall())
+    return result, {name for name, n in after.items() if n > before.get(name, 0)}
+
+
+def test_several_queues_take_turns_in_the_usual_call(broker: lonnymq.Broker, conn: Conn) -> None:
+    """A consumer of several queues (Celery's ``-Q a,b``) is served by the usual call (schema
+    version 17; before, every such call took the general path) in the same round-robin order
+    over the lanes of all its queues: each lane its k-th turn before any its (k+1)-th."""
+    lanes_ = [("qa", "a1"), ("qb", "b1"), ("qa", "a2"), ("qb", "b2")]
+    for i in range(5):
+        for queue, channel in lanes_:
+            broker.queue(queue).channel(channel).message.create(conn, f"{queue}.{channel}.{i}")
+            time.sleep(0.002)  # (turns apart: the order below is the creation order)
+    order: list[tuple[str, str]] = []
+    general = 0
+    held: list[lonnymq.Message] = []
+    while True:
+        result, ran = functions_ran(
+            conn, broker.schema, partial(broker.dequeue, conn, ["qa", "qb"], ack=held, listen=False)
+        )
+        general += "dequeue_general_v1" in ran
+        held = list(result.messages)
+        if not held:
+            break
+        lane = (held[0].queue, held[0].channel)
+        # (in order within its lane)
+        assert held[0].content == f"{lane[0]}.{lane[1]}.{order.count(lane)}".encode()
+        order.append(lane)
+    assert len(order) == 20
+    assert order[:4] == lanes_  # the oldest turn first, across the queues
+    rounds = [order[: i + 1].count(lane) for i, lane in enumerate(order)]
+    assert rounds == sorted(rounds)
+    # the usual call served them (the first call ingests; the last finds nothing)
+    assert general <= 3, general
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_limited_lane_of_several_queues_keeps_its_limit(
+    broker: lonnymq.Broker, conn: Conn, connect: Callable[..., Conn]
+) -> None:
+    broker.queue("qb").channel("b1").policy.set(conn, max_concurrency=1)
+    for i in range(3):
+        broker.queue("qa").channel("a1").message.create(conn, f"a{i}")
+        broker.queue("qb").channel("b1").message.create(conn, f"b{i}")
+    held = []
+    consumers = [connect(), connect()]
+    for i in range(6):
+        held += broker.dequeue(consumers[i % 2], ["qa", "qb"], limit=1, listen=False).messages
+    assert sorted(m.content for m in held) == [b"a0", b"a1", b"a2", b"b0"]  # b1: one at a time
+    for m in held:
+        if m.channel == "b1":
+            assert m.delete(conn) is Outcome.OK
+    got = broker.dequeue(conn, ["qa", "qb"], limit=5, listen=False).messages
+    assert [m.content for m in got] == [b"b1"]
+    assert_consistent(conn, broker.schema)

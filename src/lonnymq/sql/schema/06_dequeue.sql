@@ -798,6 +798,93 @@ BEGIN
 END;
 $$;
 
+-- Step 1 for a call of several queues (schema version 17; dequeue_look_v1 for one, whose
+-- statement sets up fewer plan nodes: a quarter of its time): as dequeue_look_v1, the acks
+-- deleted in the same statement as the usual call's read, the lanes of p_queues whose turn
+-- it is (oldest turn first, across the queues; two: is the first the only one?) and, when the call is the
+-- usual one (p_usual), the first lane's heads from its position. The heads are read only
+-- when the ingest's state is fresh for every queue, no lock of the queues is past its
+-- expiry, the lane has no limit
+-- and one priority, and it is the only one due or one message is asked for: due, ingested,
+-- not held by anyone, one more than asked for (has it more?); those past their time to live
+-- or their max_attempts negated (the general steps handle them). Of the acks: the messages
+-- deleted, and of each its queue, channel, sized and slotted.
+CREATE FUNCTION {schema}.dequeue_look_queues_v1(
+    p_queues text[], p_limit integer, p_ack_ids bigint[], p_ack_tokens uuid[], p_usual boolean,
+    p_now timestamptz, OUT gone_ids bigint[], OUT gone_queues text[], OUT gone_channels text[],
+    OUT gone_sized boolean[], OUT gone_slotted boolean[], OUT due_lanes {schema}.lane[],
+    OUT head_ids bigint[]
+)
+LANGUAGE plpgsql AS $$
+BEGIN
+    WITH gone AS (
+        DELETE FROM {schema}.message m
+        WHERE m.id = ANY (p_ack_ids)
+          AND m.lock_token = p_ack_tokens[array_position(p_ack_ids, m.id)]
+        RETURNING m.id, m.queue, m.channel, m.sized, m.slotted
+    )
+    SELECT a.ids, a.queues, a.channels, a.sized, a.slotted, s.lanes, s.heads
+    INTO gone_ids, gone_queues, gone_channels, gone_sized, gone_slotted, due_lanes, head_ids
+    FROM (SELECT array_agg(g.id) AS ids, array_agg(g.queue) AS queues,
+                 array_agg(g.channel) AS channels, array_agg(g.sized) AS sized,
+                 array_agg(g.slotted) AS slotted
+          FROM gone g) AS a
+    LEFT JOIN LATERAL (
+        SELECT x.lanes, h.heads
+        FROM (SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1) AS d
+        -- the lanes whose turn it is, of every queue, oldest turn first
+        CROSS JOIN LATERAL (
+            SELECT ARRAY(
+                SELECT y.l FROM unnest(p_queues) AS u(q)
+                CROSS JOIN LATERAL (
+                    SELECT l FROM {schema}.lane l
+                    WHERE l.queue = u.q
+                      AND l.turn_at >= coalesce(
+                          d.turn_from[array_position(d.queues, u.q)], '-infinity')
+                      AND l.turn_at <= p_now + interval '1 millisecond'
+                    ORDER BY l.turn_at, l.id LIMIT 2) AS y
+                ORDER BY (y.l).turn_at, (y.l).id LIMIT 2) AS lanes
+            OFFSET 0) AS x  -- (read once, not at each use of its column)
+        -- (the first lane's queue; with none due, the first queue: none when it does not exist)
+        JOIN {schema}.queue q ON q.name = coalesce((x.lanes[1]).queue, p_queues[1])
+        -- the first one's heads, when the call is the usual one
+        CROSS JOIN LATERAL (
+            SELECT ARRAY(
+                SELECT CASE WHEN m.expires_at <= p_now
+                                 OR m.attempts >= coalesce(q.max_attempts, 2147483647)
+                            THEN -m.id ELSE m.id END
+                FROM {schema}.message m
+                WHERE p_usual AND d.taken_at >= p_now - interval '10 milliseconds'
+                  AND d.folded_at >= p_now - interval '1 second'
+                  AND p_queues <@ d.queues
+                  AND NOT (cardinality(d.pend_queue) > 0
+                           AND d.taken_at < p_now - interval '5 milliseconds')
+                  AND NOT (x.lanes[1]).limited AND cardinality((x.lanes[1]).prios) = 1
+                  AND (p_limit = 1 OR cardinality(x.lanes) = 1)
+                  -- (no lock of the queues past its expiry: of each, the first one in lock
+                  -- order, from the queue's lock position: an EXISTS on the message table
+                  -- loses the order, and was planned as a read of the whole locked index)
+                  AND NOT EXISTS (
+                      SELECT 1 FROM unnest(p_queues) AS u(q)
+                      WHERE (SELECT e.locked_until FROM {schema}.message e
+                             WHERE e.queue = u.q
+                               AND e.locked_until >= coalesce(
+                                   d.lock_from[array_position(d.queues, u.q)], '-infinity')
+                               AND e.locked_until <= p_now
+                             ORDER BY e.queue, e.locked_until LIMIT 1) IS NOT NULL)
+                  AND m.queue = (x.lanes[1]).queue AND m.channel = (x.lanes[1]).channel
+                  AND m.locked_until IS NULL AND m.priority = ((x.lanes[1]).prios)[1]
+                  AND (m.dequeue_at, m.id) >= (((x.lanes[1]).pos_at)[1],
+                                               ((x.lanes[1]).pos_id)[1])
+                  AND m.dequeue_at <= p_now
+                  AND pg_visible_in_snapshot(m.txid, d.snap)
+                ORDER BY m.priority DESC, m.dequeue_at, m.id
+                LIMIT p_limit + 1
+                FOR UPDATE SKIP LOCKED) AS heads) AS h
+    ) AS s ON true;
+END;
+$$;
+
 -- Step 4, a pass's heads: of each lane of p_lanes (positions in p_cands) at most its quota
 -- and one more (has it more?), in rank order (lane_heads_v1); one lane of one priority, the
 -- usual pass, read without it.
@@ -1286,8 +1373,9 @@ $$;
 --
 -- The steps (docs/design.md, "The dequeue"): 0, the sleep keys of the caller's last call
 -- released; 1, the acks and the usual call's read in one statement (dequeue_look_v1); 2, the
--- usual call served (one queue, a lane without limits: its heads locked and the call tallied
--- in one statement), or, when no lane is due, what woke the caller taken (dequeue_take_v1),
+-- usual call served (a lane without limits, of one queue or several (schema version 17):
+-- its heads locked and the call tallied in one statement), or, when no lane of its one queue
+-- is due, what woke the caller taken (dequeue_take_v1),
 -- or after an ingest, read once more; otherwise the general path (dequeue_general_v1: steps
 -- 2 to 6). The steps are internal, called by this function only, and planned under its
 -- settings (generic plans, no sequential or bitmap scans), which they do not set again.
@@ -1313,12 +1401,10 @@ DECLARE
     v_lane {schema}.lane;
     v_take bigint[];
     v_got integer;
-    v_acked integer;  -- acks tallied with the deliveries
-    v_apart boolean;  -- acks of another channel, tallied apart
+    v_acked integer; v_apart boolean;  -- acks tallied with the deliveries, or apart
     v_keys text;  -- the sleep keys held
     -- the acks' events for the tally: queue, channel, kind
-    v_ev_queue text[] := ARRAY[]::text[];
-    v_ev_channel text[] := ARRAY[]::text[];
+    v_ev_queue text[] := ARRAY[]::text[]; v_ev_channel text[] := ARRAY[]::text[];
     v_ev_kind text[] := ARRAY[]::text[];
 BEGIN
     -- 0. a caller that slept (it found nothing last time) is awake again
@@ -1326,8 +1412,7 @@ BEGIN
     IF v_keys IS NOT NULL AND v_keys <> '' THEN
         PERFORM {schema}.dequeue_wake_v1(v_keys);
     END IF;
-    v_usual := cardinality(p_queues) = 1 AND p_limit > 0
-        AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
+    v_usual := p_limit > 0 AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on';
     IF NOT v_usual AND coalesce(cardinality(p_ack_ids), 0) = 0 THEN
         SELECT * INTO v_state FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
         RETURN QUERY SELECT * FROM {schema}.dequeue_general_v1(
@@ -1338,9 +1423,15 @@ BEGIN
     LOOP  -- (a second round, after an ingest, for the usual call only)
         -- 1. the acks (the first round only), and the usual call's read
         v_now := clock_timestamp();
-        v_look := {schema}.dequeue_look_v1(
-            p_queues[1], p_limit, CASE WHEN v_ingested THEN NULL ELSE p_ack_ids END,
-            p_ack_tokens, v_usual, v_now);
+        IF cardinality(p_queues) = 1 THEN
+            v_look := {schema}.dequeue_look_v1(
+                p_queues[1], p_limit, CASE WHEN v_ingested THEN NULL ELSE p_ack_ids END,
+                p_ack_tokens, v_usual, v_now);
+        ELSE
+            v_look := {schema}.dequeue_look_queues_v1(
+                p_queues, p_limit, CASE WHEN v_ingested THEN NULL ELSE p_ack_ids END,
+                p_ack_tokens, v_usual, v_now);
+        END IF;
         IF v_look.gone_ids IS NOT NULL THEN
             v_ev_queue := v_look.gone_queues;
             v_ev_channel := v_look.gone_channels;
@@ -1413,7 +1504,8 @@ BEGIN
         -- (the usual call found nothing, as after a wake-up: with no lane due, what woke it
         -- taken without an ingest; else, when the ingest's state was old, ingested and read
         -- again, once)
-        IF v_usual AND NOT v_ingested AND cardinality(v_look.due_lanes) = 0 THEN
+        IF v_usual AND NOT v_ingested AND cardinality(v_look.due_lanes) = 0
+           AND cardinality(p_queues) = 1 THEN
             RETURN QUERY SELECT * FROM {schema}.dequeue_take_v1(p_queues[1], p_limit, v_lock, v_now);
             GET DIAGNOSTICS v_got = ROW_COUNT;
             EXIT WHEN v_got > 0;
