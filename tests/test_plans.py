@@ -258,6 +258,7 @@ def _describe(plan: Plan) -> str:
 EXPECTED_STATEMENTS = {
     "dequeue_queues_v1": "array_agg(coalesce(q.max_attempts",
     "dequeue_look_v1 (the usual call)": "LIMIT p_limit + 1 FOR UPDATE SKIP LOCKED",
+    "dequeue_look_queues_v1 (several queues)": "SELECT 1 FROM unnest(p_queues) AS u(q)",
     "dequeue_expired_v1": "e.locked_until >= u.lf AND e.locked_until <= p_now",
     "dequeue_expired_v1 (relock)": "WHERE m.id = ANY (v_relock) AND m.id <> ALL (v_poison)",
     "dequeue_lanes_v1 (lanes whose turn it is)": "THEN p_after_id ELSE 0 END)",
@@ -353,6 +354,14 @@ def run_workload(broker: lonnymq.Broker, conn: Conn, rep: int) -> None:
         got = usual.dequeue(conn, limit=1, lock_ms=60_000)
     assert [m.channel for m in got.messages] == ["a"]
     assert broker.delete_many(conn, got.messages) == {got.messages[0].id: Outcome.OK}
+    # the same for a call of several queues (dequeue_look_queues_v1)
+    several = [f"several-{rep}-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    for name in several:
+        broker.queue(name).channel("a").message.create(conn, b"x")
+    with _fresh_ingest(broker, conn, *several):
+        got = broker.dequeue(conn, several, limit=1, lock_ms=60_000)
+    assert [m.channel for m in got.messages] == ["a"]
+    assert broker.delete_many(conn, got.messages) == {got.messages[0].id: Outcome.OK}
     # create: in big channels (one saturated), named and delayed ones
     assert isinstance(default.channel("ch-12").message.create(conn, b"x"), lonnymq.Created)
     assert isinstance(default.channel("ch-52").message.create(conn, b"x"), lonnymq.Created)
@@ -386,16 +395,16 @@ def run_workload(broker: lonnymq.Broker, conn: Conn, rep: int) -> None:
 
 
 @contextlib.contextmanager
-def _fresh_ingest(broker: lonnymq.Broker, conn: Conn, queue: str) -> Iterator[None]:
-    """An ingest of ``queue`` now, which then counts as just taken (so that a dequeue does
+def _fresh_ingest(broker: lonnymq.Broker, conn: Conn, *queues: str) -> Iterator[None]:
+    """An ingest of ``queues`` now, which then counts as just taken (so that a dequeue does
     not ingest first), and afterwards as old (so that the next one does)."""
     stmt = sql.SQL(
         "UPDATE {}.discovery d SET taken_at = clock_timestamp() + %s::interval "
         "WHERE d.id = (SELECT max(x.id) FROM {}.discovery x)"
     ).format(sql.Identifier(broker.schema), sql.Identifier(broker.schema))
     conn.execute(
-        sql.SQL("SELECT {}.ingest_v1(ARRAY[%s], true, true)").format(sql.Identifier(broker.schema)),
-        (queue,),
+        sql.SQL("SELECT {}.ingest_v1(%s, true, true)").format(sql.Identifier(broker.schema)),
+        (list(queues),),
     )
     conn.execute(stmt, ("1 hour",))
     # (and this session's creates are taken in: see wake_v1)

@@ -801,7 +801,8 @@ $$;
 -- Step 1 for a call of several queues (schema version 17; dequeue_look_v1 for one, whose
 -- statement sets up fewer plan nodes: a quarter of its time): as dequeue_look_v1, the acks
 -- deleted in the same statement as the usual call's read, the lanes of p_queues whose turn
--- it is (oldest turn first, across the queues; two: is the first the only one?) and, when the call is the
+-- it is (oldest turn first, across the queues, each named once; two: is the first the only
+-- one?) and, when the call is the
 -- usual one (p_usual), the first lane's heads from its position. The heads are read only
 -- when the ingest's state is fresh for every queue, no lock of the queues is past its
 -- expiry, the lane has no limit
@@ -835,7 +836,7 @@ BEGIN
         -- the lanes whose turn it is, of every queue, oldest turn first
         CROSS JOIN LATERAL (
             SELECT ARRAY(
-                SELECT y.l FROM unnest(p_queues) AS u(q)
+                SELECT y.l FROM (SELECT DISTINCT z.q FROM unnest(p_queues) AS z(q)) AS u
                 CROSS JOIN LATERAL (
                     SELECT l FROM {schema}.lane l
                     WHERE l.queue = u.q
@@ -1372,7 +1373,8 @@ $$;
 -- unless it has a max_concurrency (whose count is under the channel row, locked by its owner).
 --
 -- The steps (docs/design.md, "The dequeue"): 0, the sleep keys of the caller's last call
--- released; 1, the acks and the usual call's read in one statement (dequeue_look_v1); 2, the
+-- released; 1, the acks and the usual call's read in one statement (dequeue_look_v1, for
+-- several queues dequeue_look_queues_v1); 2, the
 -- usual call served (a lane without limits, of one queue or several (schema version 17):
 -- its heads locked and the call tallied in one statement), or, when no lane of its one queue
 -- is due, what woke the caller taken (dequeue_take_v1),
@@ -1397,7 +1399,7 @@ DECLARE
     v_state {schema}.discovery;
     v_ingested boolean := false;
     v_usual boolean;
-    v_look record;  -- step 1: the acks deleted, the lanes due, the heads (dequeue_look_v1)
+    v_look record;  -- step 1: the acks deleted, the lanes due, the heads
     v_lane {schema}.lane;
     v_take bigint[];
     v_got integer;
