@@ -46,7 +46,11 @@ Connect = Callable[..., Conn]
 
 #: How long the producer transaction of the first test stays open (the issue's figure).
 OPEN_S = 10.0
-P99_MS = 50.0
+#: What a call may take at p99 while another transaction is held open for 2 s. A call that
+#: waited for that transaction would take about as long as it stays open; a dequeue may also
+#: wait up to 50 ms, by design, for an ingest another consumer is running (lock_timeout), and
+#: the machine is shared with the rest of the suite (p99 of 60-77 ms seen in full runs of it).
+P99_MS = 200.0
 #: Calls of each thread left out of its latencies: a session's first calls plan the
 #: statements of the functions they run (tens of ms on a loaded machine), which is not a wait
 #: for anyone. They still run while the observer watches for waits.
@@ -218,30 +222,32 @@ def test_open_kombu_and_celery_transactions_block_no_one(
     def noop(n: int) -> None:
         return None
 
-    exchange = Exchange("", type="direct")
-    with KombuConnection(url, transport_options=options) as kconn:
-        producer = Producer(kconn.channel(), exchange=exchange)
-        declared = KombuQueue("kq", exchange=exchange, routing_key="kq")
-        producer.publish({"warm": 1}, routing_key="kq", declare=[declared])
-        for name, enqueue, before in (
-            ("kq", lambda: producer.publish({"n": 0}, routing_key="kq"), 1),
-            ("celery", lambda: noop.delay(0), 0),
-        ):
-            caller = connect(autocommit=False)
-            with lonnymq.transaction(caller):
-                enqueue()  # in the caller's open transaction, not committed
-            traffic = Traffic(broker, connect, name, name)
-            with traffic.running():
-                time.sleep(2.0)
-                traffic.check(caller)
-                caller.commit()
-            traffic.check()
-            # every message is delivered once: the traffic's, the one committed late and
-            # the one published before
-            delivered = traffic.delivered + traffic.drain(connect())
-            assert [i for i, k in Counter(delivered).items() if k > 1] == []
-            assert len(delivered) == len(traffic.created) + 1 + before
-    close_app(app)
+    try:
+        exchange = Exchange("", type="direct")
+        with KombuConnection(url, transport_options=options) as kconn:
+            producer = Producer(kconn.channel(), exchange=exchange)
+            declared = KombuQueue("kq", exchange=exchange, routing_key="kq")
+            producer.publish({"warm": 1}, routing_key="kq", declare=[declared])
+            for name, enqueue, before in (
+                ("kq", lambda: producer.publish({"n": 0}, routing_key="kq"), 1),
+                ("celery", lambda: noop.delay(0), 0),
+            ):
+                caller = connect(autocommit=False)
+                with lonnymq.transaction(caller):
+                    enqueue()  # in the caller's open transaction, not committed
+                traffic = Traffic(broker, connect, name, name)
+                with traffic.running():
+                    time.sleep(2.0)
+                    traffic.check(caller)
+                    caller.commit()
+                traffic.check()
+                # every message is delivered once: the traffic's, the one committed late and
+                # the one published before
+                delivered = traffic.delivered + traffic.drain(connect())
+                assert [i for i, k in Counter(delivered).items() if k > 1] == []
+                assert len(delivered) == len(traffic.created) + 1 + before
+    finally:  # (also when a check fails: its connections are not left behind)
+        close_app(app)
 
 
 @pytest.mark.slow
