@@ -295,6 +295,7 @@ def test_publish_before_sleep_after_deliveries_is_not_lost(
     make_connection: Callable[..., Connection],
     drive: Callable[..., Driver],
     monkeypatch: pytest.MonkeyPatch,
+    connect: Callable[..., psycopg.Connection[Any]],
     hub: bool,
 ) -> None:
     """The same race after deliveries: a busy queue's key is released (two delivering
@@ -322,8 +323,14 @@ def test_publish_before_sleep_after_deliveries_is_not_lost(
     ).consume()  # one message a fetch: fetches deliver in a row
     drive(consumer_conn, hub)
     time.sleep(0.5)  # asleep on the queue
-    for i in range(4):
-        producer.publish(i, routing_key="race")
+    # (the four in one transaction, so that they are all there when the consumer wakes and
+    # its fetches deliver in a row: published one by one, a fast consumer took each as its
+    # publish woke it, delivering and finding nothing in turn, and the key never went)
+    caller = connect(autocommit=False)
+    with lonnymq.transaction(caller):
+        for i in range(4):
+            producer.publish(i, routing_key="race")
+    caller.commit()
     last = received.wait(3)
     assert done.wait(5) and released.is_set()  # the key went, and was taken again
     assert received.wait("raced", timeout=5) - last < 1.0  # not the 30 s fallback poll
