@@ -116,9 +116,15 @@ def test_overview_updates_without_reload_during_traffic(
         browser.execute_script("window.__loaded_once = 'yes';")  # gone if the page reloads
 
         def figures() -> tuple[str, str]:
-            read_at = browser.find_element(By.ID, "read-at").get_attribute("datetime")
-            row = browser.find_element(By.CSS_SELECTOR, 'tr[data-queue="live"]')
-            return read_at or "", row.text
+            # (read in one script: the page's refresh replaces these elements, and between two
+            # WebDriver calls the one found first may be gone, StaleElementReferenceException)
+            read_at, row = browser.execute_script(
+                "const t = document.getElementById('read-at');"
+                "const r = document.querySelector('tr[data-queue=\"live\"]');"
+                "return [t && t.getAttribute('datetime'), r && r.innerText];"
+            )
+            assert row, "no row for the queue 'live'"
+            return read_at or "", row
 
         first = figures()
         seen = {first}
@@ -136,9 +142,10 @@ def test_overview_updates_without_reload_during_traffic(
             lines = browser.find_elements(By.CSS_SELECTOR, ".chart svg polyline")
         assert len(lines) == 4
         assert browser.execute_script("return window.__loaded_once;") == "yes"
-        assert "stale" not in (
-            browser.find_element(By.ID, "live-status").get_attribute("class") or ""
+        status = browser.execute_script(
+            "const s = document.getElementById('live-status'); return s ? s.className : null;"
         )
+        assert status is not None and "stale" not in status, status
         # a hostile payload shows as text and runs nothing
         browser.get(f"{srv.base}/messages/{scene.script}")
         body = browser.find_element(By.CSS_SELECTOR, "pre.body").text
