@@ -194,6 +194,18 @@ class Plan:
         ]
 
 
+def functions_ran(conn: Conn, schema: str, call: Callable[[], Any]) -> tuple[Any, set[str]]:
+    """``call()``'s result and the functions of ``schema`` its transaction ran."""
+    conn.execute("SET track_functions = 'all'")
+    # (the backend's calls not yet reported, earlier transactions' included)
+    query = "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE schemaname = %s"
+    with conn.transaction():
+        before = dict(conn.execute(query, (schema,)).fetchall())
+        result = call()
+        after = dict(conn.execute(query, (schema,)).fetchall())
+    return result, {name for name, n in after.items() if n > before.get(name, 0)}
+
+
 @dataclass
 class Recorder:
     """Collects the plans auto_explain sends as notices on one connection."""

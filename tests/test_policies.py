@@ -14,6 +14,7 @@ from psycopg import sql
 import lonnymq
 from lonnymq import ChannelFull, Created, Dropped, Outcome, Policy
 from tests.invariants import assert_consistent
+from tests.test_plans import functions_ran
 
 Conn = psycopg.Connection[Any]
 
@@ -272,17 +273,6 @@ def test_notify_on_create_defer_and_freed_slot(
 
 def test_wake_channel_is_per_schema(broker: lonnymq.Broker) -> None:
     assert broker.wake_channel == f"{broker.schema}_wake"
-
-
-def functions_ran(conn: Conn, schema: str, call: Callable[[], Any]) -> tuple[Any, set[str]]:
-    """``call()``'s result and the schema's functions its transaction ran."""
-    conn.execute("SET track_functions = 'all'")
-    query = "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE schemaname = %s"
-    with conn.transaction():
-        before = dict(conn.execute(query, (schema,)).fetchall())
-        result = call()
-        after = dict(conn.execute(query, (schema,)).fetchall())
-    return result, {name for name, n in after.items() if n > before.get(name, 0)}
 
 
 def test_several_queues_take_turns_in_the_usual_call(broker: lonnymq.Broker, conn: Conn) -> None:

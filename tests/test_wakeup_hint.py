@@ -33,7 +33,7 @@ from lonnymq.transport import transport as transport_module
 from lonnymq.transport.connection import MAX_HINTS
 from tests.invariants import assert_consistent
 from tests.test_counters import counters
-from tests.test_plans import Recorder
+from tests.test_plans import Recorder, functions_ran
 from tests.test_wakeup import Driver, Received, declared
 from tests.test_wakeup_take import asleep, discovery, lonnymq_id
 
@@ -55,19 +55,9 @@ def hinted(
     ack: Sequence[tuple[int, uuid.UUID]] = (),
 ) -> tuple[DequeueResult, set[str]]:
     """A hinted dequeue, and the schema's functions its transaction ran."""
-    conn.execute("SET track_functions = 'all'")
     op = dequeue_op(broker.schema, queues, limit=limit, ack=ack, listen=False, hints=hints)
-
-    def calls() -> dict[str, int]:
-        # (the backend's calls not yet reported, earlier transactions' included)
-        query = "SELECT funcname, calls FROM pg_stat_xact_user_functions WHERE schemaname = %s"
-        return dict(conn.execute(query, (broker.schema,)).fetchall())
-
-    with conn.transaction():
-        before = calls()
-        result = run(conn, op)
-        after = calls()
-    return result, {name for name, n in after.items() if n > before.get(name, 0)}
+    result, ran = functions_ran(conn, broker.schema, lambda: run(conn, op))
+    return result, ran
 
 
 def drain(broker: lonnymq.Broker, conn: Conn, held: list[lonnymq.Message]) -> list[int]:

@@ -798,18 +798,12 @@ BEGIN
 END;
 $$;
 
--- Step 1 for a call of several queues (schema version 17; dequeue_look_v1 for one, whose
--- statement sets up fewer plan nodes: a quarter of its time): as dequeue_look_v1, the acks
--- deleted in the same statement as the usual call's read, the lanes of p_queues whose turn
--- it is (oldest turn first, across the queues, each named once; two: is the first the only
--- one?) and, when the call is the
--- usual one (p_usual), the first lane's heads from its position. The heads are read only
--- when the ingest's state is fresh for every queue, no lock of the queues is past its
--- expiry, the lane has no limit
--- and one priority, and it is the only one due or one message is asked for: due, ingested,
--- not held by anyone, one more than asked for (has it more?); those past their time to live
--- or their max_attempts negated (the general steps handle them). Of the acks: the messages
--- deleted, and of each its queue, channel, sized and slotted.
+-- Step 1 for a call of several queues (schema version 17): as dequeue_look_v1, the acks
+-- deleted in the same statement as the usual call's read; here the lanes due are those of
+-- every queue of p_queues (oldest turn first across the queues, each queue named once), the
+-- ingest's state must be fresh for every queue, and no lock of any of them past its expiry.
+-- (dequeue_look_v1 keeps its own statement for one queue: this one sets up more plan nodes,
+-- and made the usual call of one queue cost its read a quarter more.)
 CREATE FUNCTION {schema}.dequeue_look_queues_v1(
     p_queues text[], p_limit integer, p_ack_ids bigint[], p_ack_tokens uuid[], p_usual boolean,
     p_now timestamptz, OUT gone_ids bigint[], OUT gone_queues text[], OUT gone_channels text[],
