@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -294,7 +295,14 @@ def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
     consumer_conn = make_connection()
     (queue,) = declared(consumer_conn, "hq")
     received = Received()
-    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    burst_published = threading.Event()
+
+    def callback(body: Any, message: Any) -> None:
+        if body == 10:  # the burst's first: busy until the rest waits (a consumer faster
+            burst_published.wait(10)  # than its producer would find nothing in between)
+        received(body, message)
+
+    consumer_conn.Consumer([queue], callbacks=[callback], accept=["json"]).consume()
     driver = Driver(consumer_conn, hub=False)
     driver.start()
     try:
@@ -312,6 +320,7 @@ def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
         fetches.clear()
         for i in range(10, 20):
             producer.publish(i, routing_key="hq")
+        burst_published.set()
         for i in range(10, 20):
             received.wait(i)
         assert len([h for h, _ in fetches if h]) <= 1, fetches
