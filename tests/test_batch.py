@@ -7,6 +7,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import lonnymq
 from lonnymq import ChannelFull, Created, Deduplicated, Dropped, Pending, Policy
@@ -80,6 +81,34 @@ def test_batch_full_channel_without_raising(queue: lonnymq.Queue, conn: Conn) ->
     assert isinstance(ok.get(), Created)
     assert dropped.get() == Dropped("default", "small")
     assert queue.stats(conn).total == 1
+
+
+def test_batch_applies_each_channels_own_max_size_else_the_queues(
+    queue: lonnymq.Queue, conn: Conn
+) -> None:
+    """A batch over channels of every kind (the queue's default max_size, a max_size of the
+    channel's own, an own policy without one, which lifts the default) refuses exactly what
+    one create at a time would, in submission order, and counts the sized ones."""
+    queue.policy.set(conn, max_size=2)
+    queue.channel("own").policy.set(conn, max_size=1)
+    queue.channel("free").policy.set(conn, max_concurrency=5)
+    batch = queue.batch()
+    order = ["d", "own", "free", "d", "own", "free", "d", "free"] + ["free"] * 20
+    pending = [batch.channel(c).message(f"{c}{i}".encode()) for i, c in enumerate(order)]
+    batch.execute(conn, raise_if_dropped=False)
+    kinds = [(c, type(p.get()).__name__) for c, p in zip(order, pending, strict=True)]
+    dropped = [(c, i) for i, (c, kind) in enumerate(kinds) if kind == "Dropped"]
+    assert dropped == [("own", 4), ("d", 6)], kinds
+    assert queue.stats(conn).total == len(order) - 2
+    sizes = dict(
+        conn.execute(
+            sql.SQL("SELECT name, current_size FROM {} WHERE queue = %s").format(
+                sql.Identifier(queue.schema, "channel")
+            ),
+            (queue.name,),
+        ).fetchall()
+    )
+    assert sizes == {"d": 2, "own": 1, "free": 0}
 
 
 def test_batch_in_caller_transaction(queue: lonnymq.Queue, connect: Any) -> None:

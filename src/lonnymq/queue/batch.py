@@ -16,7 +16,7 @@ import psycopg
 from ..exceptions import ChannelFull, InvalidArgument
 from . import _checks
 from ._ops import Op, translate
-from .create import CreateArgs, create_args, create_many_op
+from .create import CreateArgs, create_many_op
 from .policy import RateArg, channel_clear_op, channel_set_op, queue_set_op
 from .results import CreateResult, Dropped
 
@@ -277,15 +277,11 @@ class BatchChannel:
         ttl_ms: float | None = None,
     ) -> Pending[CreateResult]:
         batch = self._queue._batch
-        args = create_args(
+        # (the queue's and the channel's names were checked when they were named)
+        args: CreateArgs = (
             self._queue.name,
             self.name,
-            content,
-            name=name,
-            delay_ms=delay_ms,
-            priority=priority,
-            ttl_ms=ttl_ms,
-            max_message_bytes=batch._max_message_bytes,
+            *_checks.message(name, content, priority, delay_ms, ttl_ms, batch._max_message_bytes),
         )
         return batch._add((self._queue.name, 1, self.name, 1, name or ""), None, args)
 

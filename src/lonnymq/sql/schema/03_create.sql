@@ -149,6 +149,8 @@ RETURNS TABLE (ord integer, result_code text, message_id bigint)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
     v_queue text;
+    v_sized_queues text[];
+    v_sized_channels text[];
     v_sized integer[];
     v_codes text[];
     v_ids bigint[];
@@ -177,24 +179,34 @@ BEGIN
     FOR v_queue IN SELECT DISTINCT u.q FROM unnest(p_queues) AS u(q) ORDER BY u.q LOOP
         PERFORM pg_advisory_xact_lock_shared({schema}.queue_key_v1('produce', v_queue));
     END LOOP;
-    v_sized := ARRAY(
-        SELECT i.n FROM unnest(p_queues, p_channels) WITH ORDINALITY AS i(q, c, n)
-        CROSS JOIN LATERAL {schema}.channel_limits_v1(i.q, i.c) AS l
-        WHERE l.max_size IS NOT NULL
-    );
-    FOR r IN
-        SELECT i.n, i.q, i.c, i.name, i.content, i.prio, i.delay, i.ttl
-        FROM unnest(p_queues, p_channels, p_names, p_contents, p_priorities, p_delays, p_ttls)
-            WITH ORDINALITY AS i(q, c, name, content, prio, delay, ttl, n)
-        WHERE i.n = ANY (v_sized)
-        ORDER BY i.q, i.c, i.name NULLS FIRST, i.n
-    LOOP
-        SELECT s.result_code, s.message_id INTO v_code, v_id1
-        FROM {schema}.message_create_sized_v1(r.q, r.c, r.name, r.content, r.prio, r.delay,
-            r.ttl) AS s;
-        v_codes[r.n] := v_code;
-        v_ids[r.n] := v_id1;
-    END LOOP;
+    -- the channels with a max_size in force (their own policy, else the queue's, as
+    -- channel_limits_v1 reads it), each looked up once, in one statement; their rows go one
+    -- by one. (A lookup per row took 13 ms of a 1,000-row batch's 17; schema version 18.)
+    SELECT array_agg(d.q), array_agg(d.c) INTO v_sized_queues, v_sized_channels
+    FROM (SELECT DISTINCT u.q, u.c FROM unnest(p_queues, p_channels) AS u(q, c)) AS d
+    LEFT JOIN {schema}.queue q ON q.name = d.q
+    LEFT JOIN {schema}.channel ch ON ch.queue = d.q AND ch.name = d.c
+    WHERE CASE WHEN ch.has_policy THEN ch.own_max_size ELSE q.max_size END IS NOT NULL;
+    v_sized := ARRAY[]::integer[];
+    IF v_sized_queues IS NOT NULL THEN
+        v_sized := ARRAY(
+            SELECT i.n FROM unnest(p_queues, p_channels) WITH ORDINALITY AS i(q, c, n)
+            JOIN unnest(v_sized_queues, v_sized_channels) AS s(q, c) ON s.q = i.q AND s.c = i.c
+        );
+        FOR r IN
+            SELECT i.n, i.q, i.c, i.name, i.content, i.prio, i.delay, i.ttl
+            FROM unnest(p_queues, p_channels, p_names, p_contents, p_priorities, p_delays,
+                p_ttls) WITH ORDINALITY AS i(q, c, name, content, prio, delay, ttl, n)
+            WHERE i.n = ANY (v_sized)
+            ORDER BY i.q, i.c, i.name NULLS FIRST, i.n
+        LOOP
+            SELECT s.result_code, s.message_id INTO v_code, v_id1
+            FROM {schema}.message_create_sized_v1(r.q, r.c, r.name, r.content, r.prio,
+                r.delay, r.ttl) AS s;
+            v_codes[r.n] := v_code;
+            v_ids[r.n] := v_id1;
+        END LOOP;
+    END IF;
     WITH input AS (
         SELECT i.n, i.q, i.c, i.name, i.content, i.prio,
                nextval('{schema}.message_id_seq') AS id,
