@@ -397,6 +397,47 @@ def test_a_sooner_timer_does_not_hide_a_later_one(
 
 
 @pytest.mark.parametrize("hub", LOOPS)
+def test_a_wake_up_that_took_all_there_was_keeps_the_timer_of_a_delayed_message(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    monkeypatch: pytest.MonkeyPatch,
+    hub: bool,
+) -> None:
+    """A channel woken by a publish that takes all that waited sleeps again without another
+    look (schema version 19): what its dequeue said of the delayed message waiting beside
+    (``retry_ms``) is its timer, so that message comes at its time, not at the fallback
+    poll; and a publish after it wakes the channel again."""
+    settled: list[bool] = []  # of each dequeue that brought messages
+    plain = Transport.ack_and_dequeue
+
+    def recorded(self: Transport, queues: list[str], limit: int, **kw: Any) -> Any:
+        result = plain(self, queues, limit, **kw)
+        if result.messages:
+            settled.append(result.settled)
+        return result
+
+    monkeypatch.setattr(Transport, "ack_and_dequeue", recorded)
+    consumer_conn = make_connection()
+    (queue,) = declared(consumer_conn, "kept")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, hub)
+    time.sleep(0.5)  # asleep
+    producer = make_connection().Producer(serializer="json")
+    sent = time.monotonic()
+    producer.publish("later", routing_key="kept", headers={"x-delay-ms": 1200})
+    time.sleep(0.2)  # found delayed: a timer for it
+    producer.publish("now", routing_key="kept")
+    assert received.wait("now") - sent < 0.2 + 0.5
+    time.sleep(0.3)
+    producer.publish("next", routing_key="kept")
+    assert received.wait("next") - sent < 0.5 + 0.5
+    assert settled[:2] == [True, True], settled  # (both wake-ups took all there was)
+    # (the defect: "later" waits for the fallback poll, 5 s)
+    assert 1.2 <= received.wait("later", timeout=8) - sent < 1.9
+
+
+@pytest.mark.parametrize("hub", LOOPS)
 def test_producer_transaction_open_across_sleep_is_not_lost(
     make_connection: Callable[..., Connection],
     drive: Callable[..., Driver],
@@ -459,5 +500,7 @@ def test_idle_consumer_makes_no_round_trip(
     received.wait("one")
     time.sleep(0.5)
     woken = calls[settled:]
-    # the channel notified, which delivers, then finds nothing: the other two sleep on
-    assert woken.count("dequeue") == 2, woken
+    # the channel notified, which takes what woke it, all that waited (its hinted dequeue
+    # says so: schema version 19), and sleeps again without another look; the other two
+    # sleep on
+    assert woken.count("dequeue") == 1, woken

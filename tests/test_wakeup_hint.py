@@ -139,21 +139,56 @@ def test_a_hinted_wake_up_is_taken_by_its_id_and_counted_once(
     assert_consistent(conn, broker.schema)
 
 
-def test_the_call_after_a_hinted_one_ingests_first(
+def test_hinted_calls_follow_one_another_for_a_second_after_an_ingest(
     broker: lonnymq.Broker, conn: Conn, producer: Conn
 ) -> None:
-    """As after a take: hinted calls do not follow one another without an ingest."""
+    """A hinted call takes again without an ingest while the last ingest is under a second
+    old (schema version 19; before, the call after a take always ingested first); then the
+    call ingests first, as after a take."""
     asleep(broker, conn)
     channel = broker.queue("q").channel("a")
     first = lonnymq_id(channel.message.create(producer, "first"))
     got, _ = hinted(broker, conn, [first])
-    assert [m.id for m in got.messages] == [first]
+    assert [m.id for m in got.messages] == [first] and got.settled
     second = lonnymq_id(channel.message.create(producer, "second"))
     got2, ran = hinted(broker, conn, [second], ack=[(first, got.messages[0].lock_token)])
-    assert [m.id for m in got2.messages] == [second]
-    assert "message_dequeue_v3" in ran and got2.acked == {first: lonnymq.Outcome.OK}
-    assert drain(broker, conn, list(got2.messages)) == []
-    assert counters(broker, conn, "q") == Counters(3, 3, 0, 3, 0, 0, 0, 0)
+    assert [m.id for m in got2.messages] == [second] and got2.settled
+    assert "message_dequeue_v3" not in ran and got2.acked == {first: lonnymq.Outcome.OK}
+    time.sleep(1.05)  # the last ingest (asleep's) is more than a second old
+    third = lonnymq_id(channel.message.create(producer, "third"))
+    got3, ran = hinted(broker, conn, [third], ack=[(second, got2.messages[0].lock_token)])
+    assert [m.id for m in got3.messages] == [third] and not got3.settled
+    assert "message_dequeue_v3" in ran and got3.acked == {second: lonnymq.Outcome.OK}
+    assert drain(broker, conn, list(got3.messages)) == []
+    assert counters(broker, conn, "q") == Counters(4, 4, 0, 4, 0, 0, 0, 0)
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_hinted_call_that_took_all_that_waited_says_so_with_when_to_look_again(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn
+) -> None:
+    """``settled`` (schema version 19): the hinted call took every message that waited in
+    its queues; with ``retry_ms``, when something may fall due, as a call that finds nothing
+    is told. Not when it took fewer than waited, nor when the full dequeue did the call."""
+    queue = broker.queue("q")
+    queue.channel("b").message.create(producer, "later", delay_ms=3_000)
+    asleep(broker, conn)  # (its ingest sees the delayed message: b's lane turns in 3 s)
+    made = lonnymq_id(queue.channel("a").message.create(producer, "now"))
+    got, _ = hinted(broker, conn, [made], limit=5)
+    assert [m.id for m in got.messages] == [made] and got.settled
+    assert got.retry_ms is not None and 2_000 < got.retry_ms <= 3_000, got.retry_ms
+    # two waited, one asked for: more may be there
+    pair = [lonnymq_id(queue.channel("a").message.create(producer, f"p{i}")) for i in range(2)]
+    got2, ran = hinted(broker, conn, pair, limit=1, ack=[(made, got.messages[0].lock_token)])
+    assert [m.id for m in got2.messages] == [pair[0]] and not got2.settled
+    assert "message_dequeue_v3" not in ran
+    # the full dequeue's call (another channel's unseen message waits) is never settled
+    other = lonnymq_id(queue.channel("c").message.create(producer, "c"))
+    mine = lonnymq_id(queue.channel("a").message.create(producer, "a"))
+    got3, ran = hinted(broker, conn, [mine], limit=10, ack=[(pair[0], got2.messages[0].lock_token)])
+    assert "message_dequeue_v3" in ran and not got3.settled
+    assert sorted(m.id for m in got3.messages) == sorted([pair[1], other, mine])
+    assert drain(broker, conn, list(got3.messages)) == []
     assert_consistent(conn, broker.schema)
 
 
@@ -271,7 +306,9 @@ def test_acks_travel_with_a_hinted_call(broker: lonnymq.Broker, conn: Conn, prod
 
 
 def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
-    make_connection: Callable[..., Connection], monkeypatch: pytest.MonkeyPatch
+    make_connection: Callable[..., Connection],
+    monkeypatch: pytest.MonkeyPatch,
+    connect: Callable[..., Conn],
 ) -> None:
     """The transport's woken fetch carries the id of the message that woke it, and a busy
     channel's fetch none."""
@@ -316,9 +353,17 @@ def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
             time.sleep(0.3)
             delivering = [hints for hints, n in fetches if n]
             assert len(delivering) == 1 and len(delivering[0]) == 1, fetches
-        # a burst: the fetches after the first are of a busy channel, without hints
+        # a burst: the fetches after the first are of a busy channel, without hints. (Its
+        # first two in one transaction: one hint for two messages, so the woken fetch,
+        # the full dequeue's, takes both and does not find that it took all there was;
+        # one alone would leave the channel asleep, its next fetch a hinted wake-up again)
         fetches.clear()
-        for i in range(10, 20):
+        caller = connect(autocommit=False)
+        with lonnymq.transaction(caller):
+            producer.publish(10, routing_key="hq")
+            producer.publish(11, routing_key="hq")
+        caller.commit()
+        for i in range(12, 20):
             producer.publish(i, routing_key="hq")
         burst_published.set()
         for i in range(10, 20):

@@ -106,6 +106,11 @@ class DequeueResult:
     dead: list[DeadLettered] = field(default_factory=list)
     #: Outcome of each ack sent with this dequeue (``Broker.dequeue(..., ack=...)``).
     acked: dict[int, Outcome] = field(default_factory=dict)
+    #: A hinted dequeue (schema version 19) took all that waited in its queues: nothing else
+    #: can be delivered now, and ``retry_ms`` says when something may fall due, as for a
+    #: call that found nothing. A caller that sleeps on these queues (it was woken by their
+    #: hint) need not look again before the next NOTIFY or that time.
+    settled: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.messages)
@@ -142,10 +147,13 @@ def dequeue_op(
         dead: list[DeadLettered] = []
         acked = dict.fromkeys(ids, Outcome.OK)
         retry_ms = None
+        settled = False
         for row in rows:
             event = row[11]
             if event is not None and event.startswith("ack_"):
                 acked[row[0]] = Outcome(event[4:])
+            elif event == "settled":
+                settled, retry_ms = True, row[10]
             elif event == "dead":
                 dead.append(DeadLettered(row[0], row[1], row[2], row[3], row[5], row[7]))
             elif row[0] is None:
@@ -170,7 +178,7 @@ def dequeue_op(
                         expired,
                     )
                 )
-        return DequeueResult(messages, retry_ms, dead, acked)
+        return DequeueResult(messages, retry_ms, dead, acked, settled)
 
     if hints:
         hinted = [_checks.message_id(h, "hint") for h in hints]

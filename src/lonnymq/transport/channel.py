@@ -292,8 +292,16 @@ class Channel(TopologyChannel):
             retry = result.retry_ms
             self.retry_at = None if retry is None else time.monotonic() + retry / 1000
             return [], retry
-        self.idle, self.retry_at = False, None
-        self.busy_rounds += 1
+        if self.idle and result.settled and self._asleep_on_all():
+            # woken by a hint, it took all that waited: nothing else can be delivered now,
+            # and a create from now on sends a NOTIFY (its keys are held and settled), so it
+            # is asleep again, with no look owed (one cold round trip less per wake-up)
+            retry = result.retry_ms
+            self.retry_at = None if retry is None else time.monotonic() + retry / 1000
+            self.busy_rounds = 0
+        else:
+            self.idle, self.retry_at = False, None
+            self.busy_rounds += 1
         messages = [m for m in result.messages if m.queue in self._active_queues]
         if len(messages) < len(result.messages):
             gone = [m for m in result.messages if m.queue not in self._active_queues]
@@ -318,6 +326,13 @@ class Channel(TopologyChannel):
                     (message.queue, message.channel, message.attempts),
                 )
         return batch, None
+
+    def _asleep_on_all(self) -> bool:
+        """The transport holds the ``sleep`` keys of all this channel's queues, settled (no
+        producer transaction of theirs was open when they were taken)."""
+        sleep = self.connection.sleep
+        queues = set(self._active_queues)
+        return sleep.held.issuperset(queues) and not sleep.unsettled & queues
 
     def unhold(self, messages: list[QueueMessage]) -> None:
         """Give back accepted messages that were not delivered (their locks released)."""

@@ -71,7 +71,8 @@ def run_fetches(transport: TransportLike, jobs: list[Job]) -> Fetched:
 def deliver(transport: TransportLike, results: Fetched) -> tuple[int, int | None, bool]:
     """Deliver a round of fetches (see :func:`deliver_in_order`). Returns the messages
     delivered, the ms until something may become available where a fetch found nothing,
-    and whether to fetch again at once (a fetch brought messages, or asked so)."""
+    and whether to fetch again at once (a fetch brought messages and may have left more,
+    or asked so)."""
     accepted: list[tuple[ChannelLike, list[Delivery]]] = []
     retry_ms: int | None = None
     again = False
@@ -87,7 +88,8 @@ def deliver(transport: TransportLike, results: Fetched) -> tuple[int, int | None
             release(transport, results[i + 1 :])
             raise
         accepted.append((channel, batch))
-        again = again or bool(batch) or retry == 0
+        # (a channel that took all that waited is asleep again: see Channel.accept)
+        again = again or (bool(batch) and not channel.idle) or retry == 0
         if retry is not None:
             retry_ms = sooner(retry_ms, retry)
     return deliver_in_order(accepted), retry_ms, again

@@ -1539,8 +1539,12 @@ $$;
 -- no lock of theirs is past its expiry, so that nothing waits that the round robin would
 -- serve first; the messages are due, live and under max_attempts. Their creation is counted
 -- in the call's tally (`arrival` 1), the lane is not written, and the session's next call
--- ingests first. The acks, if any, are deleted first (message_delete_many_v1). Otherwise,
--- or when another consumer took them first, message_dequeue_v3 does the call.
+-- ingests first (a hinted one takes again without, for a second after the last ingest).
+-- When the call took all that waited, one more row says so (event 'settled', with retry_ms
+-- as a call that found nothing gives it; schema version 19): the caller, asleep on these
+-- queues, need not look again. The acks, if any, are deleted first
+-- (message_delete_many_v1). Otherwise, or when another consumer took them first,
+-- message_dequeue_v3 does the call.
 CREATE FUNCTION {schema}.message_dequeue_hinted_v1(
     p_queues text[], p_hints bigint[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
     p_ack_tokens uuid[], p_listen boolean
@@ -1574,7 +1578,6 @@ BEGIN
             WHERE d.result_code <> 'ok';
     END IF;
     IF cardinality(p_hints) > 0 AND p_limit > 0
-       AND current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on'
        AND coalesce(current_setting('lonnymq.sleeping', true), '') = ''
        AND pg_try_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0)) THEN
         RETURN QUERY
@@ -1596,13 +1599,22 @@ BEGIN
                     LIMIT 64) AS m
             ), mine AS MATERIALIZED (
                 -- this call's part of it: all hinted, of one channel; nothing else waiting
-                SELECT a.queue, a.channel
+                SELECT a.queue, a.channel, a.waiting
                 FROM d, (SELECT min(u.queue) AS queue, min(u.channel) AS channel,
+                                count(*) AS waiting,
                                 count(*) FILTER (WHERE u.id <> ALL (p_hints)) AS others,
                                 count(DISTINCT (u.queue, u.channel)) AS lanes
                          FROM unseen u WHERE u.queue = ANY (p_queues)) AS a
                 WHERE a.others = 0 AND a.lanes = 1 AND (SELECT count(*) FROM unseen) < 64
                   AND p_queues <@ d.queues AND NOT d.pend_queue && p_queues
+                  -- (after a take or a create of this session, its next call ingests first:
+                  -- takes do not follow one another for longer than a second without an
+                  -- ingest, so that what they leave behind in message_txid_idx, read above
+                  -- from the ingest's xmax, stays short; schema version 19, before which
+                  -- the call after a take always ingested. What this session created and
+                  -- an ingest has not seen is in unseen, not hinted: no take then.)
+                  AND (current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on'
+                       OR d.taken_at > v_now - interval '1 second')
                   AND NOT EXISTS (
                       SELECT 1 FROM unnest(p_queues) AS w(q) CROSS JOIN LATERAL (
                           SELECT (SELECT l.turn_at FROM {schema}.lane l
@@ -1656,10 +1668,23 @@ BEGIN
                        v_now + v_lock, min(k.id)
                 FROM locked k HAVING count(*) > 0
             )
-            SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
-                   k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
-                   'delivered'::text
-            FROM locked k ORDER BY k.priority DESC, k.dequeue_at, k.id;
+            (SELECT k.id, k.queue::text, k.channel::text, k.name, k.priority, k.attempts,
+                    k.lock_token, k.created_at, k.content, k.state, NULL::bigint,
+                    'delivered'::text
+             FROM locked k ORDER BY k.priority DESC, k.dequeue_at, k.id)
+            UNION ALL
+            -- (schema version 19) all that waited was taken: nothing else of these queues
+            -- can be delivered now, and whatever is created from now on wakes the caller
+            -- again (it sleeps on them: the hint came). So it need not look again; the row
+            -- says so, with when something may fall due (a lane's turn, a known lock's
+            -- expiry; NULL: nothing pending), as a call that found nothing would.
+            SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
+                   NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
+                   {schema}.queue_retry_ms_v1(p_queues, (SELECT x FROM {schema}.discovery x
+                                                         ORDER BY x.id DESC LIMIT 1)),
+                   'settled'::text
+            FROM mine w
+            WHERE w.waiting = (SELECT count(*) FROM locked);
         IF FOUND THEN
             PERFORM set_config('lonnymq.fresh', 'on', false);
             RETURN;
