@@ -15,8 +15,8 @@
 -- now on wakes it. Clients of version 18 read that row as a retry_ms beside messages, which
 -- they ignore. And the call after a take no longer always falls back to the full dequeue (to
 -- ingest first: every other wake-up did, once the look after it was gone): a hinted call
--- takes again without an ingest for a second after the last one. Same signature. No table
--- changes.
+-- takes again without an ingest while fewer than 100 transactions began since the last
+-- one's snapshot. Same signature. No table changes.
 
 -- A dequeue that knows what woke it (schema version 16): p_hints, ids of messages that
 -- creates of the call's queues hinted (wake_v2) to this sleeping consumer. When they are all
@@ -30,7 +30,8 @@
 -- no lock of theirs is past its expiry, so that nothing waits that the round robin would
 -- serve first; the messages are due, live and under max_attempts. Their creation is counted
 -- in the call's tally (`arrival` 1), the lane is not written, and the session's next call
--- ingests first (a hinted one takes again without, for a second after the last ingest).
+-- ingests first (a hinted one takes again without, while fewer than 100 transactions began
+-- since the last ingest's snapshot).
 -- When the call took all that waited, one more row says so (event 'settled', with retry_ms
 -- as a call that found nothing gives it; schema version 19): the caller, asleep on these
 -- queues, need not look again. The acks, if any, are deleted first
@@ -99,13 +100,15 @@ BEGIN
                 WHERE a.others = 0 AND a.lanes = 1 AND (SELECT count(*) FROM unseen) < 64
                   AND p_queues <@ d.queues AND NOT d.pend_queue && p_queues
                   -- (after a take or a create of this session, its next call ingests first:
-                  -- takes do not follow one another for longer than a second without an
-                  -- ingest, so that what they leave behind in message_txid_idx, read above
-                  -- from the ingest's xmax, stays short; schema version 19, before which
-                  -- the call after a take always ingested. What this session created and
-                  -- an ingest has not seen is in unseen, not hinted: no take then.)
+                  -- takes follow one another without an ingest only while fewer than 100
+                  -- transactions began since its snapshot, so that what they leave behind
+                  -- in message_txid_idx, read above from the ingest's xmax, stays short;
+                  -- schema version 19, before which the call after a take always ingested.
+                  -- What this session created and no ingest has seen is in unseen, not
+                  -- hinted: no take then.)
                   AND (current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on'
-                       OR d.taken_at > v_now - interval '1 second')
+                       OR pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+                          - pg_snapshot_xmax(d.snap)::text::bigint < 100)
                   AND NOT EXISTS (
                       SELECT 1 FROM unnest(p_queues) AS w(q) CROSS JOIN LATERAL (
                           SELECT (SELECT l.turn_at FROM {schema}.lane l

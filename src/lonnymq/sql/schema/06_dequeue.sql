@@ -1539,7 +1539,8 @@ $$;
 -- no lock of theirs is past its expiry, so that nothing waits that the round robin would
 -- serve first; the messages are due, live and under max_attempts. Their creation is counted
 -- in the call's tally (`arrival` 1), the lane is not written, and the session's next call
--- ingests first (a hinted one takes again without, for a second after the last ingest).
+-- ingests first (a hinted one takes again without, while fewer than 100 transactions began
+-- since the last ingest's snapshot).
 -- When the call took all that waited, one more row says so (event 'settled', with retry_ms
 -- as a call that found nothing gives it; schema version 19): the caller, asleep on these
 -- queues, need not look again. The acks, if any, are deleted first
@@ -1608,13 +1609,15 @@ BEGIN
                 WHERE a.others = 0 AND a.lanes = 1 AND (SELECT count(*) FROM unseen) < 64
                   AND p_queues <@ d.queues AND NOT d.pend_queue && p_queues
                   -- (after a take or a create of this session, its next call ingests first:
-                  -- takes do not follow one another for longer than a second without an
-                  -- ingest, so that what they leave behind in message_txid_idx, read above
-                  -- from the ingest's xmax, stays short; schema version 19, before which
-                  -- the call after a take always ingested. What this session created and
-                  -- an ingest has not seen is in unseen, not hinted: no take then.)
+                  -- takes follow one another without an ingest only while fewer than 100
+                  -- transactions began since its snapshot, so that what they leave behind
+                  -- in message_txid_idx, read above from the ingest's xmax, stays short;
+                  -- schema version 19, before which the call after a take always ingested.
+                  -- What this session created and no ingest has seen is in unseen, not
+                  -- hinted: no take then.)
                   AND (current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on'
-                       OR d.taken_at > v_now - interval '1 second')
+                       OR pg_snapshot_xmax(pg_current_snapshot())::text::bigint
+                          - pg_snapshot_xmax(d.snap)::text::bigint < 100)
                   AND NOT EXISTS (
                       SELECT 1 FROM unnest(p_queues) AS w(q) CROSS JOIN LATERAL (
                           SELECT (SELECT l.turn_at FROM {schema}.lane l
