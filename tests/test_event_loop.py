@@ -175,6 +175,41 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
             received.clear()
 
 
+def test_a_wake_up_that_fills_the_prefetch_window_does_not_sleep_through_the_next_publish(
+    make_connection: Callable[..., Connection], hub: Hub
+) -> None:
+    """A woken fetch that took all there was but filled the prefetch window stays awake: a
+    NOTIFY read while the window is full fetches nothing, and the ack that frees it must
+    bring the next message at once, not at the fallback poll (5 s)."""
+    connection = make_connection()
+    queue = Queue("window_full")
+    queue(connection.default_channel).declare()
+    in_loop(hub, connection)
+    held: list[Any] = []
+    received: list[str] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        held.append(message)  # acked later: the window (of 1) stays full meanwhile
+
+    producer = make_connection().Producer()
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=1)
+        deadline = time.monotonic() + 0.3
+        run_until(hub, lambda: time.monotonic() > deadline)  # idle, asleep on the queue
+        producer.publish("first", routing_key="window_full")
+        run_until(hub, lambda: received == ["first"], timeout=5)
+        producer.publish("second", routing_key="window_full")
+        deadline = time.monotonic() + 0.3
+        run_until(hub, lambda: time.monotonic() > deadline)  # its NOTIFY read, window full
+        assert received == ["first"]
+        held.pop().ack()
+        acked = time.monotonic()
+        run_until(hub, lambda: received == ["first", "second"], timeout=8)
+        assert time.monotonic() - acked < 1.0
+        held.pop().ack()
+
+
 def test_loop_wakes_for_a_delayed_message_by_timer(
     make_connection: Callable[..., Connection], hub: Hub
 ) -> None:

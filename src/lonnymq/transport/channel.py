@@ -292,16 +292,9 @@ class Channel(TopologyChannel):
             retry = result.retry_ms
             self.retry_at = None if retry is None else time.monotonic() + retry / 1000
             return [], retry
-        if self.idle and result.settled and self._asleep_on_all():
-            # woken by a hint, it took all that waited: nothing else can be delivered now,
-            # and a create from now on sends a NOTIFY (its keys are held and settled), so it
-            # is asleep again, with no look owed (one cold round trip less per wake-up)
-            retry = result.retry_ms
-            self.retry_at = None if retry is None else time.monotonic() + retry / 1000
-            self.busy_rounds = 0
-        else:
-            self.idle, self.retry_at = False, None
-            self.busy_rounds += 1
+        settled = self.idle and result.settled and self._asleep_on_all()
+        self.idle, self.retry_at = False, None
+        self.busy_rounds += 1
         messages = [m for m in result.messages if m.queue in self._active_queues]
         if len(messages) < len(result.messages):
             gone = [m for m in result.messages if m.queue not in self._active_queues]
@@ -325,7 +318,24 @@ class Channel(TopologyChannel):
                     (message.id, message.lock_token),
                     (message.queue, message.channel, message.attempts),
                 )
+        if settled and self._room_after(batch):
+            # woken by a hint, it took all that waited: nothing else can be delivered now,
+            # and a create from now on sends a NOTIFY (its keys are held and settled), so it
+            # is asleep again, with no look owed (one cold round trip less per wake-up). Not
+            # when this batch fills its prefetch window: a NOTIFY read while it is full
+            # fetches nothing, and the ack that frees it wakes only channels awake.
+            retry = result.retry_ms
+            self.retry_at = None if retry is None else time.monotonic() + retry / 1000
+            self.idle, self.busy_rounds = True, 0
         return batch, None
+
+    def _room_after(self, batch: list[Delivery]) -> bool:
+        """Whether the prefetch window has room left once ``batch`` is delivered (no-ack
+        deliveries take none)."""
+        free = self.qos.can_consume_max_estimate()
+        if free is None:
+            return True
+        return free - sum(1 for m, _ in batch if m.queue not in self._no_ack_queues) > 0
 
     def _asleep_on_all(self) -> bool:
         """The transport holds the ``sleep`` keys of all this channel's queues, settled (no
