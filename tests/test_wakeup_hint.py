@@ -28,7 +28,7 @@ from psycopg import sql
 import lonnymq
 from lonnymq.migrator import hint_channel, wake_channel
 from lonnymq.queue._ops import run
-from lonnymq.queue.dequeue import DequeueResult, dequeue_op
+from lonnymq.queue.dequeue import DEFAULT_LOCK_MS, DequeueResult, dequeue_op
 from lonnymq.queue.operate import Counters
 from lonnymq.transport import transport as transport_module
 from lonnymq.transport.connection import MAX_HINTS
@@ -150,6 +150,7 @@ def test_hinted_calls_follow_one_another_while_few_transactions_began_since_an_i
     first = lonnymq_id(channel.message.create(producer, "first"))
     got, _ = hinted(broker, conn, [first])
     assert [m.id for m in got.messages] == [first] and got.settled
+    assert got.retry_ms == DEFAULT_LOCK_MS  # (nothing else pending: when its lock expires)
     second = lonnymq_id(channel.message.create(producer, "second"))
     got2, ran = hinted(broker, conn, [second], ack=[(first, got.messages[0].lock_token)])
     assert [m.id for m in got2.messages] == [second] and got2.settled
@@ -190,6 +191,30 @@ def test_a_hinted_call_that_took_all_that_waited_says_so_with_when_to_look_again
     assert "message_dequeue_v3" in ran and not got3.settled
     assert sorted(m.id for m in got3.messages) == sorted([pair[1], other, mine])
     assert drain(broker, conn, list(got3.messages)) == []
+    assert_consistent(conn, broker.schema)
+
+
+def test_a_hint_gives_way_to_a_limited_lane_whose_slot_was_freed(
+    broker: lonnymq.Broker, conn: Conn, producer: Conn, connect: Callable[..., Conn]
+) -> None:
+    """An ack that frees a slot of a channel at its max_concurrency marks it freed; its lane
+    gets its turn back at the next ingest. A hinted call then gives way to the full dequeue
+    (which ingests) instead of taking alone and saying it took all there was (the look
+    after a take, which ingested, went with schema version 19)."""
+    queue = broker.queue("q")
+    queue.channel("lim").policy.set(conn, max_concurrency=1)
+    asleep(broker, conn)
+    limited = [lonnymq_id(queue.channel("lim").message.create(producer, f"l{i}")) for i in (1, 2)]
+    other = connect()
+    first = broker.dequeue(other, ["q"], listen=False)
+    assert [m.id for m in first.messages] == [limited[0]]
+    assert not broker.dequeue(conn, ["q"], listen=False)  # lim at its limit: nothing
+    assert first.messages[0].delete(other) == lonnymq.Outcome.OK  # frees lim's slot
+    made = lonnymq_id(queue.channel("u").message.create(producer, "u"))
+    got, ran = hinted(broker, conn, [made], limit=2)
+    assert "message_dequeue_v3" in ran and not got.settled  # the caller looks again
+    rest = drain(broker, conn, list(got.messages))
+    assert sorted([m.id for m in got.messages] + rest) == sorted([limited[1], made])
     assert_consistent(conn, broker.schema)
 
 

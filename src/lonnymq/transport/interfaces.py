@@ -68,9 +68,9 @@ class ChannelLike(Protocol):
     def busy_rounds(self) -> int:
         """Fetches in a row that brought messages."""
 
-    @property
-    def retry_at(self) -> float | None:
-        """When its last fetch, which found nothing, said to look again."""
+    #: When to look again: what its last fetch said (it found nothing, or took all there
+    #: was), or when its refill wait is over (monotonic time; None: no timer).
+    retry_at: float | None
 
     @property
     def acks_nothing(self) -> bool:

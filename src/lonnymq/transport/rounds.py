@@ -36,6 +36,9 @@ def fetch_jobs(transport: TransportLike, wanted: Wanted) -> tuple[list[Job], int
         plan = channel.fetch_plan()
         if isinstance(plan, int):
             retry_ms = sooner(retry_ms, plan)
+            # (its timer too: a channel asleep, asked for by a NOTIFY, is then fetched when
+            # the wait is over, not left asleep until the next NOTIFY or the fallback poll)
+            channel.retry_at = sooner(channel.retry_at, now + plan / 1000)
         elif plan is not None:
             jobs.append((channel, *plan))
     return jobs, retry_ms

@@ -33,8 +33,15 @@
 -- ingests first (a hinted one takes again without, while fewer than 100 transactions began
 -- since the last ingest's snapshot).
 -- When the call took all that waited, one more row says so (event 'settled', with retry_ms
--- as a call that found nothing gives it; schema version 19): the caller, asleep on these
--- queues, need not look again. The acks, if any, are deleted first
+-- as a call that found nothing gives it, or when the locks it took expire, which no ingest
+-- has seen yet; schema version 19): nothing else of these queues can be delivered now, and
+-- the caller, asleep on them (the hint came), is woken by whatever is created from now on,
+-- so it need not look again. Takes follow one another without an ingest only while fewer
+-- than 100 transactions began since the ingest's snapshot, so that what they leave behind
+-- in message_txid_idx (read from the ingest's xmax) stays short; and not while a slot of a
+-- limited channel of the queues was freed (its lane gets its turn back at the next ingest,
+-- which may come first). Before version 19 the look after a take ingested. What this
+-- session created and no ingest has seen is unseen and not hinted: no take then. The acks, if any, are deleted first
 -- (message_delete_many_v1). Otherwise, or when another consumer took them first,
 -- message_dequeue_v3 does the call.
 CREATE OR REPLACE FUNCTION {schema}.message_dequeue_hinted_v1(
@@ -99,16 +106,13 @@ BEGIN
                          FROM unseen u WHERE u.queue = ANY (p_queues)) AS a
                 WHERE a.others = 0 AND a.lanes = 1 AND (SELECT count(*) FROM unseen) < 64
                   AND p_queues <@ d.queues AND NOT d.pend_queue && p_queues
-                  -- (after a take or a create of this session, its next call ingests first:
-                  -- takes follow one another without an ingest only while fewer than 100
-                  -- transactions began since its snapshot, so that what they leave behind
-                  -- in message_txid_idx, read above from the ingest's xmax, stays short;
-                  -- schema version 19, before which the call after a take always ingested.
-                  -- What this session created and no ingest has seen is in unseen, not
-                  -- hinted: no take then.)
+                  -- (takes in a row without an ingest: see above)
                   AND (current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on'
                        OR pg_snapshot_xmax(pg_current_snapshot())::text::bigint
                           - pg_snapshot_xmax(d.snap)::text::bigint < 100)
+                  -- (no limited channel's slot freed since the last ingest: see above)
+                  AND NOT EXISTS (SELECT 1 FROM {schema}.channel c
+                                  WHERE c.queue = ANY (p_queues) AND c.freed)
                   AND NOT EXISTS (
                       SELECT 1 FROM unnest(p_queues) AS w(q) CROSS JOIN LATERAL (
                           SELECT (SELECT l.turn_at FROM {schema}.lane l
@@ -167,15 +171,12 @@ BEGIN
                     'delivered'::text
              FROM locked k ORDER BY k.priority DESC, k.dequeue_at, k.id)
             UNION ALL
-            -- (schema version 19) all that waited was taken: nothing else of these queues
-            -- can be delivered now, and whatever is created from now on wakes the caller
-            -- again (it sleeps on them: the hint came). So it need not look again; the row
-            -- says so, with when something may fall due (a lane's turn, a known lock's
-            -- expiry; NULL: nothing pending), as a call that found nothing would.
+            -- (all that waited was taken: settled, see above)
             SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
                    NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
-                   {schema}.queue_retry_ms_v1(p_queues, (SELECT x FROM {schema}.discovery x
-                                                         ORDER BY x.id DESC LIMIT 1)),
+                   LEAST({schema}.queue_retry_ms_v1(p_queues, (SELECT x FROM {schema}.discovery x
+                                                               ORDER BY x.id DESC LIMIT 1)),
+                         p_lock_ms),
                    'settled'::text
             FROM mine w
             WHERE w.waiting = (SELECT count(*) FROM locked);
