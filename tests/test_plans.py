@@ -543,8 +543,11 @@ def test_dequeue_buffers_stay_flat(
 
 @pytest.mark.slow
 def test_dequeue_is_fast_on_a_big_backlog(big: Dataset, connect: Callable[..., Conn]) -> None:
-    """Median of 20 dequeue + delete round trips under 20 ms with 100,000 messages (a
-    generous bound: a few ms is typical; a scan of the backlog takes far longer)."""
+    """The lower quartile of 20 dequeue + delete round trips under 20 ms with 100,000
+    messages (a generous bound: 1.3 ms is typical alone; a scan of the backlog makes every
+    call take far longer). Not the median: with the suite's other workers on the machine's
+    two cores, a CI run saw a median of 27 ms twice (each call two round trips, each
+    waiting for a core)."""
     conn = connect()
     _drain_expired(big.broker, conn)
     timings = []
@@ -554,8 +557,8 @@ def test_dequeue_is_fast_on_a_big_backlog(big: Dataset, connect: Callable[..., C
         assert message.delete(conn) is Outcome.OK
         if i >= 5:  # the first ones plan the statements
             timings.append(time.perf_counter() - start)
-    median_ms = statistics.median(timings) * 1000
-    assert median_ms < 20, f"median dequeue + delete: {median_ms:.1f} ms"
+    quartile_ms = sorted(timings)[len(timings) // 4] * 1000
+    assert quartile_ms < 20, f"lower quartile of dequeue + delete: {quartile_ms:.1f} ms"
 
 
 def test_operating_functions_run_without_jit(broker: lonnymq.Broker, conn: Conn) -> None:
