@@ -53,6 +53,12 @@ def run_until(hub: Hub, until: Callable[[], bool], timeout: float = 10) -> float
     return time.monotonic() - start
 
 
+def run_for(hub: Hub, seconds: float) -> None:
+    """Run the loop for ``seconds`` (and at least once)."""
+    deadline = time.monotonic() + seconds
+    run_until(hub, lambda: time.monotonic() > deadline)
+
+
 def published(make_connection: Callable[..., Connection], name: str, n: int) -> Queue:
     """The queue ``name``, declared, with the messages 0 .. n-1 published to it."""
     queue = Queue(name)
@@ -109,8 +115,7 @@ def test_loop_wakes_on_notify(
         message.ack()
 
     with connection.Consumer(queue, callbacks=[on_message]):
-        deadline = time.monotonic() + 0.3
-        run_until(hub, lambda: time.monotonic() > deadline)  # idle, LISTEN watched
+        run_for(hub, 0.3)  # idle, LISTEN watched
         assert received == []
         sent = time.monotonic()
         make_connection().Producer().publish("hi", routing_key="wake")
@@ -148,8 +153,7 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
     producer = make_connection().Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=2)
-        deadline = time.monotonic() + 0.3
-        run_until(hub, lambda: time.monotonic() > deadline)  # idle, asleep on the queue
+        run_for(hub, 0.3)  # idle, asleep on the queue
         assert received == []
         for turn in range(2):
             fetched.clear()
@@ -197,13 +201,11 @@ def test_a_wake_up_that_fills_the_prefetch_window_does_not_sleep_through_the_nex
     producer = make_connection().Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=1)
-        deadline = time.monotonic() + 0.3
-        run_until(hub, lambda: time.monotonic() > deadline)  # idle, asleep on the queue
+        run_for(hub, 0.3)  # idle, asleep on the queue
         producer.publish("first", routing_key="window_full")
         run_until(hub, lambda: received == ["first"], timeout=5)
         producer.publish("second", routing_key="window_full")
-        deadline = time.monotonic() + 0.3
-        run_until(hub, lambda: time.monotonic() > deadline)  # its NOTIFY read, window full
+        run_for(hub, 0.3)  # its NOTIFY read, window full
         assert received == ["first"]
         held.pop().ack()
         acked = time.monotonic()
@@ -232,14 +234,12 @@ def test_a_consumer_asleep_with_most_of_its_window_held_wakes_after_its_refill_w
     producer = make_connection().Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=4)
-        deadline = time.monotonic() + 0.3
-        run_until(hub, lambda: time.monotonic() > deadline)  # idle, asleep on the queue
+        run_for(hub, 0.3)  # idle, asleep on the queue
         with psycopg.connect(pg_dsn) as caller, lonnymq.transaction(caller):
             for i in range(3):  # (one transaction: fetched together)
                 producer.publish(i, routing_key="refill_asleep")
         run_until(hub, lambda: len(held) == 3, timeout=5)
-        deadline = time.monotonic() + 0.3
-        run_until(hub, lambda: time.monotonic() > deadline)  # found nothing more: asleep
+        run_for(hub, 0.3)  # found nothing more: asleep
         producer.publish(3, routing_key="refill_asleep")
         sent = time.monotonic()
         run_until(hub, lambda: len(held) == 4, timeout=15)
@@ -314,14 +314,12 @@ def test_loop_survives_a_lost_listen_connection(
         message.ack()
 
     with connection.Consumer(queue, callbacks=[on_message]):
-        deadline = time.monotonic() + 0.3
-        run_until(hub, lambda: time.monotonic() > deadline)
+        run_for(hub, 0.3)
         listen = connection.transport.waiter.listening()[0]
         assert listen is not None
         pid = listen.info.backend_pid
         conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-        deadline = time.monotonic() + 0.5
-        run_until(hub, lambda: time.monotonic() > deadline)  # notices, reconnects
+        run_for(hub, 0.5)  # notices, reconnects
         make_connection().Producer().publish("after", routing_key="relisten")
         took = run_until(hub, lambda: bool(received), timeout=10)
         relisten = connection.transport.waiter.listening()[0]
@@ -364,8 +362,7 @@ def test_loop_sends_an_ack_made_later_on_its_thread(
     messages: list[Any] = []
     with connection.Consumer(queue, callbacks=[lambda body, msg: messages.append(msg)]):
         run_until(hub, lambda: bool(messages))
-        deadline = time.monotonic() + 0.2
-        run_until(hub, lambda: time.monotonic() > deadline)  # idle: nothing more to look for
+        run_for(hub, 0.2)  # idle: nothing more to look for
         assert stats(conn, schema, "later_ack") == (1, 1)
         hub.call_soon(messages[0].ack)
         took = run_until(hub, lambda: stats(conn, schema, "later_ack") == (0, 0), timeout=5)

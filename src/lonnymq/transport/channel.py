@@ -289,9 +289,8 @@ class Channel(TopologyChannel):
         self._report_dead(result)
         if not result.messages:
             self.idle, self.busy_rounds = True, 0
-            retry = result.retry_ms
-            self.retry_at = None if retry is None else time.monotonic() + retry / 1000
-            return [], retry
+            self._retry_in(result.retry_ms)
+            return [], result.retry_ms
         settled = self.idle and result.settled and self._asleep_on_all()
         self.idle, self.retry_at = False, None
         self.busy_rounds += 1
@@ -324,10 +323,13 @@ class Channel(TopologyChannel):
             # is asleep again, with no look owed (one cold round trip less per wake-up). Not
             # when this batch fills its prefetch window: a NOTIFY read while it is full
             # fetches nothing, and the ack that frees it wakes only channels awake.
-            retry = result.retry_ms
-            self.retry_at = None if retry is None else time.monotonic() + retry / 1000
+            self._retry_in(result.retry_ms)
             self.idle, self.busy_rounds = True, 0
         return batch, None
+
+    def _retry_in(self, retry_ms: int | None) -> None:
+        """Its timer: what a fetch said of when to look again (None: no timer)."""
+        self.retry_at = None if retry_ms is None else time.monotonic() + retry_ms / 1000
 
     def _room_after(self, batch: list[Delivery]) -> bool:
         """Whether the prefetch window has room left once ``batch`` is delivered (no-ack

@@ -1538,21 +1538,20 @@ $$;
 -- in the ingest's state and none has heads pending; no lane of the call's queues is due and
 -- no lock of theirs is past its expiry, so that nothing waits that the round robin would
 -- serve first; the messages are due, live and under max_attempts. Their creation is counted
--- in the call's tally (`arrival` 1), the lane is not written, and the session's next call
--- ingests first (a hinted one takes again without, while fewer than 100 transactions began
--- since the last ingest's snapshot).
--- When the call took all that waited, one more row says so (event 'settled', with retry_ms
--- as a call that found nothing gives it, or when the locks it took expire, which no ingest
--- has seen yet; schema version 19): nothing else of these queues can be delivered now, and
--- the caller, asleep on them (the hint came), is woken by whatever is created from now on,
--- so it need not look again. Takes follow one another without an ingest only while fewer
--- than 100 transactions began since the ingest's snapshot, so that what they leave behind
--- in message_txid_idx (read from the ingest's xmax) stays short; and not while a slot of a
+-- in the call's tally (`arrival` 1), the lane is not written, and the session's next
+-- message_dequeue_v3 call ingests first. Hinted takes follow one another without an ingest
+-- (schema version 19; before, the look after a take ingested) only while fewer than 100
+-- transactions began since the ingest's snapshot, so that what they leave behind in
+-- message_txid_idx (read from the ingest's xmax) stays short, and not while a slot of a
 -- limited channel of the queues was freed (its lane gets its turn back at the next ingest,
--- which may come first). Before version 19 the look after a take ingested. What this
--- session created and no ingest has seen is unseen and not hinted: no take then. The acks, if any, are deleted first
--- (message_delete_many_v1). Otherwise, or when another consumer took them first,
--- message_dequeue_v3 does the call.
+-- which may come first). What this session created and no ingest has seen is unseen and
+-- not hinted: no take then. When the call took all that waited, one more row says so
+-- (event 'settled', with retry_ms as a call that found nothing gives it, or when the locks
+-- it took expire, which no ingest has seen yet; schema version 19): nothing else of these
+-- queues can be delivered now, and the caller, asleep on them (the hint came), is woken by
+-- whatever is created from now on, so it need not look again. The acks, if any, are
+-- deleted first (message_delete_many_v1). Otherwise, or when another consumer took them
+-- first, message_dequeue_v3 does the call.
 CREATE FUNCTION {schema}.message_dequeue_hinted_v1(
     p_queues text[], p_hints bigint[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
     p_ack_tokens uuid[], p_listen boolean
