@@ -73,6 +73,19 @@ def stats(conn: Conn, schema: str, queue: str) -> tuple[int, int]:
     return s.total, s.in_flight
 
 
+def asleep_on(conn: Conn, schema: str, queue: str) -> bool:
+    """Whether a consumer sleeps on ``queue`` (holds its ``sleep`` key: a create then
+    notifies), tried as a producer's create tries it."""
+    row = conn.execute(
+        psycopg.sql.SQL("SELECT pg_try_advisory_xact_lock({}.queue_key_v1('sleep', %s))").format(
+            psycopg.sql.Identifier(schema)
+        ),
+        [queue],
+    ).fetchone()
+    assert row is not None
+    return not row[0]
+
+
 def test_transport_is_asynchronous_unless_told_not_to(
     make_connection: Callable[..., Connection],
 ) -> None:
@@ -150,10 +163,14 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
         received.append(body)
         message.ack()
 
-    producer = make_connection().Producer()
+    publisher = make_connection()
+    # the sweep a process's first publish starts (it ingests, under the key that a hinted
+    # take only tries: beside it, the wake-up's fetch is a full dequeue), done first
+    publisher.transport.sweep(background=True)
+    producer = publisher.Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=2)
-        run_for(hub, 0.3)  # idle, asleep on the queue
+        run_until(hub, lambda: asleep_on(conn, schema, "wake_inline"))
         assert received == []
         for turn in range(2):
             fetched.clear()
@@ -175,7 +192,9 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
             ]
             assert {name for name, _, _ in after_busy} == {"lonnymq-fetch"}, (turn, fetched)
             assert any(n for _, n, _ in after_busy), (turn, fetched)
-            time.sleep(0.3)  # idle again (a NOTIFY meanwhile is read at the next look)
+            # idle again: asleep on the queue (before it is, a publish sends no NOTIFY, and
+            # the look the consumer makes after it takes its key finds the message unhinted)
+            run_until(hub, lambda: asleep_on(conn, schema, "wake_inline"))
             received.clear()
 
 
