@@ -139,30 +139,38 @@ def test_a_hinted_wake_up_is_taken_by_its_id_and_counted_once(
     assert_consistent(conn, broker.schema)
 
 
-def test_hinted_calls_follow_one_another_while_few_transactions_began_since_an_ingest(
+def test_hinted_calls_follow_one_another_until_the_session_took_64_rows_since_an_ingest(
     broker: lonnymq.Broker, conn: Conn, producer: Conn
 ) -> None:
-    """A hinted call takes again without an ingest while fewer than 100 transactions began
-    since the last ingest's snapshot (schema version 19; before, the call after a take
-    always ingested first); then the call ingests first, as after a take."""
+    """A hinted call takes again without an ingest while this session took fewer than 64
+    rows by hints since the newest ingest (schema version 20; 19 counted the database's
+    transactions, which other work outruns; before, the call after a take always ingested
+    first); then the call ingests first, as after a take, and the count starts again."""
     asleep(broker, conn)
     channel = broker.queue("q").channel("a")
-    first = lonnymq_id(channel.message.create(producer, "first"))
-    got, _ = hinted(broker, conn, [first])
-    assert [m.id for m in got.messages] == [first] and got.settled
-    assert got.retry_ms == DEFAULT_LOCK_MS  # (nothing else pending: when its lock expires)
-    second = lonnymq_id(channel.message.create(producer, "second"))
-    got2, ran = hinted(broker, conn, [second], ack=[(first, got.messages[0].lock_token)])
-    assert [m.id for m in got2.messages] == [second] and got2.settled
-    assert "message_dequeue_v3" not in ran and got2.acked == {first: lonnymq.Outcome.OK}
-    for _ in range(100):  # transactions since the last ingest's (asleep's) snapshot
-        producer.execute("SELECT pg_current_xact_id()")
-    third = lonnymq_id(channel.message.create(producer, "third"))
-    got3, ran = hinted(broker, conn, [third], ack=[(second, got2.messages[0].lock_token)])
-    assert [m.id for m in got3.messages] == [third] and not got3.settled
-    assert "message_dequeue_v3" in ran and got3.acked == {second: lonnymq.Outcome.OK}
-    assert drain(broker, conn, list(got3.messages)) == []
-    assert counters(broker, conn, "q") == Counters(4, 4, 0, 4, 0, 0, 0, 0)
+    ingest = discovery(conn, broker.schema)
+    held: list[tuple[int, uuid.UUID]] = []
+    for turn in range(4):  # 4 takes of 16: 64 rows
+        made = [lonnymq_id(channel.message.create(producer, f"{turn}.{i}")) for i in range(16)]
+        for _ in range(150):  # other sessions' transactions do not count
+            producer.execute("SELECT pg_current_xact_id()")
+        got, ran = hinted(broker, conn, made, limit=16, ack=held)
+        assert [m.id for m in got.messages] == made and got.settled, turn
+        assert got.retry_ms == DEFAULT_LOCK_MS  # (nothing else pending: when its locks expire)
+        assert "message_dequeue_v3" not in ran and set(got.acked) == {i for i, _ in held}
+        held = [(m.id, m.lock_token) for m in got.messages]
+    assert discovery(conn, broker.schema) == ingest  # (no ingest meanwhile)
+    last = lonnymq_id(channel.message.create(producer, "last"))
+    got, ran = hinted(broker, conn, [last], ack=held)
+    assert [m.id for m in got.messages] == [last] and not got.settled
+    assert "message_dequeue_v3" in ran and discovery(conn, broker.schema) != ingest
+    # counted again from the new ingest: the next wake-up's call is a take
+    again = lonnymq_id(channel.message.create(producer, "again"))
+    got2, ran = hinted(broker, conn, [again], ack=[(last, got.messages[0].lock_token)])
+    assert [m.id for m in got2.messages] == [again] and got2.settled
+    assert "message_dequeue_v3" not in ran
+    assert drain(broker, conn, list(got2.messages)) == []
+    assert counters(broker, conn, "q") == Counters(67, 67, 0, 67, 0, 0, 0, 0)
     assert_consistent(conn, broker.schema)
 
 

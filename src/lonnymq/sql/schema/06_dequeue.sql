@@ -1540,8 +1540,10 @@ $$;
 -- serve first; the messages are due, live and under max_attempts. Their creation is counted
 -- in the call's tally (`arrival` 1), the lane is not written, and the session's next
 -- message_dequeue_v3 call ingests first. Hinted takes follow one another without an ingest
--- (schema version 19; before, the look after a take ingested) only while fewer than 100
--- transactions began since the ingest's snapshot, so that what they leave behind in
+-- (schema version 19; before, the look after a take ingested) while this session took fewer
+-- than 64 rows by hints since the newest ingest (lonnymq.taken: that ingest's id and the
+-- count; schema version 20, before: while fewer than 100 transactions of the whole database
+-- began, which any busy database outruns), so that what takes leave behind in
 -- message_txid_idx (read from the ingest's xmax) stays short, and not while a slot of a
 -- limited channel of the queues was freed (its lane gets its turn back at the next ingest,
 -- which may come first). What this session created and no ingest has seen is unseen and
@@ -1575,6 +1577,10 @@ LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = o
 DECLARE
     v_now timestamptz := clock_timestamp();
     v_lock interval := p_lock_ms * interval '1 millisecond';
+    v_d {schema}.discovery;
+    v_mark text[] := string_to_array(current_setting('lonnymq.taken', true), ' ');
+    v_taken bigint;  -- rows this session took by hints since the newest ingest (see above)
+    v_rows bigint;
 BEGIN
     IF cardinality(p_ack_ids) > 0 THEN
         RETURN QUERY
@@ -1587,9 +1593,11 @@ BEGIN
     IF cardinality(p_hints) > 0 AND p_limit > 0
        AND coalesce(current_setting('lonnymq.sleeping', true), '') = ''
        AND pg_try_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0)) THEN
+        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        v_taken := CASE WHEN v_mark[1] = v_d.id::text THEN v_mark[2]::bigint ELSE 0 END;
         RETURN QUERY
             WITH d AS MATERIALIZED (
-                SELECT * FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1
+                SELECT v_d.*
             ), unseen AS MATERIALIZED (
                 -- what no ingest has seen yet, of every queue (as in dequeue_take_v1)
                 SELECT m.id, m.queue, m.channel
@@ -1616,8 +1624,7 @@ BEGIN
                   AND p_queues <@ d.queues AND NOT d.pend_queue && p_queues
                   -- (takes in a row without an ingest: see above)
                   AND (current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on'
-                       OR pg_snapshot_xmax(pg_current_snapshot())::text::bigint
-                          - pg_snapshot_xmax(d.snap)::text::bigint < 100)
+                       OR v_taken < 64)
                   -- (no limited channel's slot freed since the last ingest: see above)
                   AND NOT EXISTS (SELECT 1 FROM {schema}.channel c
                                   WHERE c.queue = ANY (p_queues) AND c.freed)
@@ -1682,14 +1689,13 @@ BEGIN
             -- (all that waited was taken: settled, see above)
             SELECT NULL::bigint, NULL::text, NULL::text, NULL::text, NULL::smallint,
                    NULL::integer, NULL::uuid, NULL::timestamptz, NULL::bytea, NULL::bytea,
-                   LEAST({schema}.queue_retry_ms_v1(p_queues, (SELECT x FROM {schema}.discovery x
-                                                               ORDER BY x.id DESC LIMIT 1)),
-                         p_lock_ms),
-                   'settled'::text
+                   LEAST({schema}.queue_retry_ms_v1(p_queues, v_d), p_lock_ms), 'settled'::text
             FROM mine w
             WHERE w.waiting = (SELECT count(*) FROM locked);
         IF FOUND THEN
+            GET DIAGNOSTICS v_rows = ROW_COUNT;
             PERFORM set_config('lonnymq.fresh', 'on', false);
+            PERFORM set_config('lonnymq.taken', v_d.id || ' ' || (v_taken + v_rows), false);
             RETURN;
         END IF;
     END IF;
