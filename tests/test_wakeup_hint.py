@@ -139,22 +139,22 @@ def test_a_hinted_wake_up_is_taken_by_its_id_and_counted_once(
     assert_consistent(conn, broker.schema)
 
 
-def test_hinted_calls_follow_one_another_until_the_session_took_64_rows_since_an_ingest(
+def test_hinted_calls_follow_one_another_until_the_session_made_32_takes_since_an_ingest(
     broker: lonnymq.Broker, conn: Conn, producer: Conn
 ) -> None:
-    """A hinted call takes again without an ingest while this session took fewer than 64
-    rows by hints since the newest ingest (schema version 20; 19 counted the database's
+    """A hinted call takes again without an ingest while this session made fewer than 32
+    takes since the newest ingest (schema version 20; 19 counted the database's
     transactions, which other work outruns; before, the call after a take always ingested
     first); then the call ingests first, as after a take, and the count starts again."""
     asleep(broker, conn)
     channel = broker.queue("q").channel("a")
     ingest = discovery(conn, broker.schema)
     held: list[tuple[int, uuid.UUID]] = []
-    for turn in range(4):  # 4 takes of 16: 64 rows
-        made = [lonnymq_id(channel.message.create(producer, f"{turn}.{i}")) for i in range(16)]
-        for _ in range(150):  # other sessions' transactions do not count
+    for turn in range(32):
+        made = [lonnymq_id(channel.message.create(producer, f"{turn}.{i}")) for i in range(2)]
+        for _ in range(150 if turn < 2 else 0):  # other sessions' transactions do not count
             producer.execute("SELECT pg_current_xact_id()")
-        got, ran = hinted(broker, conn, made, limit=16, ack=held)
+        got, ran = hinted(broker, conn, made, limit=2, ack=held)
         assert [m.id for m in got.messages] == made and got.settled, turn
         assert got.retry_ms == DEFAULT_LOCK_MS  # (nothing else pending: when its locks expire)
         assert "message_dequeue_v3" not in ran and set(got.acked) == {i for i, _ in held}

@@ -1540,11 +1540,12 @@ $$;
 -- serve first; the messages are due, live and under max_attempts. Their creation is counted
 -- in the call's tally (`arrival` 1), the lane is not written, and the session's next
 -- message_dequeue_v3 call ingests first. Hinted takes follow one another without an ingest
--- (schema version 19; before, the look after a take ingested) while this session took fewer
--- than 64 rows by hints since the newest ingest (lonnymq.taken: that ingest's id and the
--- count; schema version 20, before: while fewer than 100 transactions of the whole database
--- began, which any busy database outruns), so that what takes leave behind in
--- message_txid_idx (read from the ingest's xmax) stays short, and not while a slot of a
+-- (schema version 19; before, the look after a take ingested) while this session made fewer
+-- than 32 takes since the newest ingest (lonnymq.taken: that ingest's id and the count;
+-- schema version 20, before: while fewer than 100 transactions of the whole database began,
+-- which any busy database outruns), so that what takes leave behind in message_txid_idx
+-- (read from the ingest's xmax; each take is of fewer than 64 rows) stays short, and not
+-- while a slot of a
 -- limited channel of the queues was freed (its lane gets its turn back at the next ingest,
 -- which may come first). What this session created and no ingest has seen is unseen and
 -- not hinted: no take then. When the call took all that waited, one more row says so
@@ -1579,8 +1580,7 @@ DECLARE
     v_lock interval := p_lock_ms * interval '1 millisecond';
     v_d {schema}.discovery;
     v_mark text[] := string_to_array(current_setting('lonnymq.taken', true), ' ');
-    v_taken bigint;  -- rows this session took by hints since the newest ingest (see above)
-    v_rows bigint;
+    v_taken bigint;  -- takes this session made since the newest ingest (see above)
 BEGIN
     IF cardinality(p_ack_ids) > 0 THEN
         RETURN QUERY
@@ -1624,7 +1624,7 @@ BEGIN
                   AND p_queues <@ d.queues AND NOT d.pend_queue && p_queues
                   -- (takes in a row without an ingest: see above)
                   AND (current_setting('lonnymq.fresh', true) IS DISTINCT FROM 'on'
-                       OR v_taken < 64)
+                       OR v_taken < 32)
                   -- (no limited channel's slot freed since the last ingest: see above)
                   AND NOT EXISTS (SELECT 1 FROM {schema}.channel c
                                   WHERE c.queue = ANY (p_queues) AND c.freed)
@@ -1693,9 +1693,8 @@ BEGIN
             FROM mine w
             WHERE w.waiting = (SELECT count(*) FROM locked);
         IF FOUND THEN
-            GET DIAGNOSTICS v_rows = ROW_COUNT;
             PERFORM set_config('lonnymq.fresh', 'on', false);
-            PERFORM set_config('lonnymq.taken', v_d.id || ' ' || (v_taken + v_rows), false);
+            PERFORM set_config('lonnymq.taken', v_d.id || ' ' || (v_taken + 1), false);
             RETURN;
         END IF;
     END IF;
