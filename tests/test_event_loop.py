@@ -86,6 +86,15 @@ def asleep_on(conn: Conn, schema: str, queue: str) -> bool:
     return not row[0]
 
 
+def settle(hub: Hub, conn: Conn, schema: str, queue: str) -> None:
+    """Run the loop until its consumer sleeps on ``queue`` and has made the look it makes
+    after taking the queue's sleep key (before the key, a publish sends no NOTIFY; before
+    the look, the look may find the message, unhinted): a publish then wakes it."""
+    run_until(hub, lambda: asleep_on(conn, schema, queue))
+    run_for(hub, 0.3)  # (the look is made at once)
+    assert asleep_on(conn, schema, queue)
+
+
 def test_transport_is_asynchronous_unless_told_not_to(
     make_connection: Callable[..., Connection],
 ) -> None:
@@ -170,7 +179,7 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
     producer = publisher.Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=2)
-        run_until(hub, lambda: asleep_on(conn, schema, "wake_inline"))
+        settle(hub, conn, schema, "wake_inline")
         assert received == []
         for turn in range(2):
             fetched.clear()
@@ -192,9 +201,7 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
             ]
             assert {name for name, _, _ in after_busy} == {"lonnymq-fetch"}, (turn, fetched)
             assert any(n for _, n, _ in after_busy), (turn, fetched)
-            # idle again: asleep on the queue (before it is, a publish sends no NOTIFY, and
-            # the look the consumer makes after it takes its key finds the message unhinted)
-            run_until(hub, lambda: asleep_on(conn, schema, "wake_inline"))
+            settle(hub, conn, schema, "wake_inline")  # idle again
             received.clear()
 
 

@@ -1545,9 +1545,8 @@ $$;
 -- schema version 20, before: while fewer than 100 transactions of the whole database began,
 -- which any busy database outruns), so that what takes leave behind in message_txid_idx
 -- (read from the ingest's xmax; each take is of fewer than 64 rows) stays short, and not
--- while a slot of a
--- limited channel of the queues was freed (its lane gets its turn back at the next ingest,
--- which may come first). What this session created and no ingest has seen is unseen and
+-- while a slot of a limited channel of the queues was freed (its lane gets its turn back at
+-- the next ingest, which may come first). What this session created and no ingest has seen is unseen and
 -- not hinted: no take then. When the call took all that waited, one more row says so
 -- (event 'settled', with retry_ms as a call that found nothing gives it, or when the locks
 -- it took expire, which no ingest has seen yet; schema version 19): nothing else of these
