@@ -21,6 +21,7 @@ from kombu.entity import Queue
 
 import lonnymq
 from lonnymq.transport import Transport
+from tests.test_wakeup import asleep_on
 
 Conn = psycopg.Connection[Any]
 
@@ -71,19 +72,6 @@ def published(make_connection: Callable[..., Connection], name: str, n: int) -> 
 def stats(conn: Conn, schema: str, queue: str) -> tuple[int, int]:
     s = lonnymq.Broker(schema).queue(queue).stats(conn)
     return s.total, s.in_flight
-
-
-def asleep_on(conn: Conn, schema: str, queue: str) -> bool:
-    """Whether a consumer sleeps on ``queue`` (holds its ``sleep`` key: a create then
-    notifies), tried as a producer's create tries it."""
-    row = conn.execute(
-        psycopg.sql.SQL("SELECT pg_try_advisory_xact_lock({}.queue_key_v1('sleep', %s))").format(
-            psycopg.sql.Identifier(schema)
-        ),
-        [queue],
-    ).fetchone()
-    assert row is not None
-    return not row[0]
 
 
 def settle(hub: Hub, conn: Conn, schema: str, queue: str) -> None:

@@ -29,6 +29,7 @@ from celery.exceptions import TaskRevokedError
 from lonnymq.testing import TempPostgres
 from tests import test_celery_worker as tcw
 from tests.test_faults import backends, renewed
+from tests.test_wakeup import asleep_on
 
 Conn = psycopg.Connection[Any]
 
@@ -225,14 +226,19 @@ def test_revoke_then_its_task_is_revoked(env: tcw.Env, start: Callable[..., tcw.
     assert not [tag for tag in stamps(env) if str(tag).startswith("revoked")], worker.log_tail()
 
 
-def test_consumer_in_a_prefork_child_wakes(env: tcw.Env, start: Callable[..., tcw.Worker]) -> None:
+def test_consumer_in_a_prefork_child_wakes(
+    env: tcw.Env, start: Callable[..., tcw.Worker], conn: Conn
+) -> None:
     """A task in a prefork child consumes a queue (``SimpleQueue.get``, on a connection of
     its own made after the fork) and is woken by a publish to it."""
     worker = start()
     result = env.task("get_from").delay("child_q", 20)
-    time.sleep(2.0)  # the child found nothing and sleeps
-    with env.app.connection_for_write() as conn:
-        conn.SimpleQueue("child_q").put("hello")
+    # the child found nothing and sleeps (a worker slow to start the task, under load, is
+    # not what this measures)
+    tcw.wait_for(lambda: asleep_on(conn, env.schema, "child_q"), 30, "the child asleep", worker)
+    time.sleep(0.3)  # (and made its look after taking the key)
+    with env.app.connection_for_write() as producer:
+        producer.SimpleQueue("child_q").put("hello")
         sent = time.time()
     got = result.get(timeout=30)
     assert got - sent < PICKUP_S, f"{(got - sent) * 1000:.1f} ms\n{worker.log_tail()}"
