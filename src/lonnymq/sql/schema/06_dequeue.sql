@@ -1546,14 +1546,14 @@ $$;
 -- which any busy database outruns), so that what takes leave behind in message_txid_idx
 -- (read from the ingest's xmax; each take is of fewer than 64 rows) stays short, and not
 -- while a slot of a limited channel of the queues was freed (its lane gets its turn back at
--- the next ingest, which may come first). What this session created and no ingest has seen is unseen and
--- not hinted: no take then. When the call took all that waited, one more row says so
--- (event 'settled', with retry_ms as a call that found nothing gives it, or when the locks
--- it took expire, which no ingest has seen yet; schema version 19): nothing else of these
--- queues can be delivered now, and the caller, asleep on them (the hint came), is woken by
--- whatever is created from now on, so it need not look again. The acks, if any, are
--- deleted first (message_delete_many_v1). Otherwise, or when another consumer took them
--- first, message_dequeue_v3 does the call.
+-- the next ingest, which may come first). What this session created and no ingest has seen
+-- is unseen and not hinted: no take then. When the call took all that waited, one more row
+-- says so (event 'settled', with retry_ms as a call that found nothing gives it, or when
+-- the locks it took expire, which no ingest has seen yet; schema version 19): nothing else
+-- of these queues can be delivered now, and the caller, asleep on them (the hint came), is
+-- woken by whatever is created from now on, so it need not look again. The acks, if any,
+-- are deleted first (message_delete_many_v1). Otherwise, or when another consumer took
+-- them first, message_dequeue_v3 does the call.
 CREATE FUNCTION {schema}.message_dequeue_hinted_v1(
     p_queues text[], p_hints bigint[], p_limit integer, p_lock_ms bigint, p_ack_ids bigint[],
     p_ack_tokens uuid[], p_listen boolean
@@ -1692,8 +1692,8 @@ BEGIN
             FROM mine w
             WHERE w.waiting = (SELECT count(*) FROM locked);
         IF FOUND THEN
-            PERFORM set_config('lonnymq.fresh', 'on', false);
-            PERFORM set_config('lonnymq.taken', v_d.id || ' ' || (v_taken + 1), false);
+            PERFORM set_config('lonnymq.fresh', 'on', false),
+                    set_config('lonnymq.taken', v_d.id || ' ' || (v_taken + 1), false);
             RETURN;
         END IF;
     END IF;
