@@ -21,7 +21,7 @@ from kombu.entity import Queue
 
 import lonnymq
 from lonnymq.transport import Transport
-from tests.test_wakeup import asleep_on
+from tests.test_wakeup import asleep_on, swept
 
 Conn = psycopg.Connection[Any]
 
@@ -160,11 +160,7 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
         received.append(body)
         message.ack()
 
-    publisher = make_connection()
-    # the sweep a process's first publish starts (it ingests, under the key that a hinted
-    # take only tries: beside it, the wake-up's fetch is a full dequeue), done first
-    publisher.transport.sweep(background=True)
-    producer = publisher.Producer()
+    producer = swept(make_connection()).Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=2)
         settle(hub, conn, schema, "wake_inline")
@@ -194,7 +190,7 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
 
 
 def test_a_wake_up_that_fills_the_prefetch_window_does_not_sleep_through_the_next_publish(
-    make_connection: Callable[..., Connection], hub: Hub
+    make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
 ) -> None:
     """A woken fetch that took all there was but filled the prefetch window stays awake: a
     NOTIFY read while the window is full fetches nothing, and the ack that frees it must
@@ -215,7 +211,7 @@ def test_a_wake_up_that_fills_the_prefetch_window_does_not_sleep_through_the_nex
     producer = make_connection().Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=1)
-        run_for(hub, 0.3)  # idle, asleep on the queue
+        settle(hub, conn, schema, "window_full")
         producer.publish("first", routing_key="window_full")
         run_until(hub, lambda: received == ["first"], timeout=5)
         producer.publish("second", routing_key="window_full")
@@ -229,7 +225,7 @@ def test_a_wake_up_that_fills_the_prefetch_window_does_not_sleep_through_the_nex
 
 
 def test_a_consumer_asleep_with_most_of_its_window_held_wakes_after_its_refill_wait(
-    make_connection: Callable[..., Connection], hub: Hub, pg_dsn: str
+    make_connection: Callable[..., Connection], hub: Hub, pg_dsn: str, conn: Conn, schema: str
 ) -> None:
     """A channel asleep while it holds more than half its prefetch window is asked for by
     a NOTIFY: it waits its refill delay first, and is fetched when that is over, not left
@@ -248,12 +244,12 @@ def test_a_consumer_asleep_with_most_of_its_window_held_wakes_after_its_refill_w
     producer = make_connection().Producer()
     with connection.Consumer(queue, callbacks=[on_message]) as consumer:
         consumer.qos(prefetch_count=4)
-        run_for(hub, 0.3)  # idle, asleep on the queue
+        settle(hub, conn, schema, "refill_asleep")
         with psycopg.connect(pg_dsn) as caller, lonnymq.transaction(caller):
             for i in range(3):  # (one transaction: fetched together)
                 producer.publish(i, routing_key="refill_asleep")
         run_until(hub, lambda: len(held) == 3, timeout=5)
-        run_for(hub, 0.3)  # found nothing more: asleep
+        settle(hub, conn, schema, "refill_asleep")  # found nothing more: asleep
         producer.publish(3, routing_key="refill_asleep")
         sent = time.monotonic()
         run_until(hub, lambda: len(held) == 4, timeout=15)

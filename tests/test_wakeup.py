@@ -145,6 +145,14 @@ def asleep_on(conn: Conn, schema: str, queue: str) -> bool:
     return not row[0]
 
 
+def swept(connection: Connection) -> Connection:
+    """``connection``, with the sweep that its process's first publish would start done
+    now: the sweep ingests, under the key that a hinted take only tries, so that beside it a
+    wake-up's fetch is the full dequeue (never settled)."""
+    connection.transport.sweep(background=True)
+    return connection
+
+
 def declared(connection: Connection, *names: str) -> list[Queue]:
     queues = [Queue(name) for name in names]
     for q in queues:
@@ -501,10 +509,7 @@ def test_idle_consumer_makes_no_round_trip(
 
     monkeypatch.setattr(Transport, "ack_and_dequeue", dequeue)
     monkeypatch.setattr(sleep_module.SleepKeys, "apply", apply)
-    publisher = make_connection()
-    # the sweep a process's first publish starts (it ingests, under the key that a hinted
-    # take only tries: beside it, the wake-up's fetch is a full dequeue), done first
-    publisher.transport.sweep(background=True)
+    publisher = swept(make_connection())
     consumer_conn = make_connection()
     queues = declared(consumer_conn, "i1", "i2", "i3")
     received = Received()
