@@ -1507,6 +1507,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=5.0,
         help="seconds a worker stays idle before the pickup scenario's tasks (default 5)",
     )
+    p.add_argument(
+        "--lonnymq-options",
+        type=json.loads,
+        default={},
+        help="JSON transport options added to lonnymq's (an A/B of one, e.g. "
+        "'{\"handoff\": false}')",
+    )
     p.add_argument("--output", type=Path, default=RESULTS_DIR / "brokers.json")
     p.add_argument("--chart", type=Path, default=RESULTS_DIR / "brokers.png")
     args = p.parse_args(argv)
@@ -1523,6 +1530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     token = secrets.token_hex(4)
     names = [b.strip() for b in args.brokers.split(",") if b.strip()]
     brokers, missing = make_brokers(names, token)
+    brokers = [
+        replace(b, options={**b.options, **args.lonnymq_options}) if b.is_lonnymq else b
+        for b in brokers
+    ]
     if not brokers:
         print("no broker available", file=sys.stderr)
         return 2

@@ -345,7 +345,7 @@ def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
     connect: Callable[..., Conn],
 ) -> None:
     """The transport's woken fetch carries the id of the message that woke it, and a busy
-    channel's fetch none."""
+    channel's fetch none (with the hand-off off: it would deliver without a fetch)."""
     fetches: list[tuple[list[int], int]] = []  # (hints, messages) of each fetch of "hq"
     plain = dequeue_op
 
@@ -363,7 +363,7 @@ def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
         return type(op)(op.schema, op.query, op.params, parsed)
 
     monkeypatch.setattr(transport_module, "dequeue_op", recorded)
-    consumer_conn = make_connection()
+    consumer_conn = make_connection(handoff=False)
     (queue,) = declared(consumer_conn, "hq")
     received = Received()
     burst_published = threading.Event()
@@ -377,7 +377,7 @@ def test_a_kombu_consumer_woken_by_a_publish_takes_it_by_its_hint(
     driver = Driver(consumer_conn, hub=False)
     driver.start()
     try:
-        producer = make_connection().Producer(serializer="json")
+        producer = make_connection(handoff=False).Producer(serializer="json")
         time.sleep(0.5)  # idle, asleep
         for i in range(3):
             fetches.clear()

@@ -188,18 +188,38 @@ def dequeue_op(
     return Op(schema, render(_DEQUEUE, schema), params, parse)
 
 
-_SLEEP: LiteralString = "SELECT {schema}.sleep_v1(%s::text[], %s::text[], %s::text[])"
+_SLEEP: LiteralString = (
+    "SELECT {schema}.sleep_v2(%s::text[], %s::text[], %s::text[], %s::bigint, %s::text, "
+    "%s::bigint, %s::text[])"
+)
 
 
 def sleep_op(
-    schema: str, take: Sequence[str], drop: Sequence[str], check: Sequence[str]
+    schema: str,
+    take: Sequence[str],
+    drop: Sequence[str],
+    check: Sequence[str],
+    *,
+    holder: int | None = None,
+    secret: str | None = None,
+    lock_ms: int | None = None,
+    queues: Sequence[str] | None = None,
 ) -> Op[list[str]]:
     """On the session it runs on (one that LISTENs): hold the ``sleep`` keys of the queues of
     ``take`` (their producers then NOTIFY) and release those of ``drop``; returns the queues
     of ``check`` that have a producer transaction open (it may have looked for sleepers
     before the key was taken: look again once it is gone). Look for messages again after a
-    ``take`` and after a queue leaves that list."""
-    params = tuple([_checks.name(q, "queue") for q in names] for names in (take, drop, check))
+    ``take`` and after a queue leaves that list. ``holder`` (schema version 21): the
+    session's own id for hand-offs (publishes then hand a message to it, locked for
+    ``lock_ms``, in a NOTIFY on ``lonnymq_hand_<holder>`` that carries ``secret``);
+    ``queues``: the queues it consumes, when they changed (None: unchanged)."""
+    params = (
+        *([_checks.name(q, "queue") for q in names] for names in (take, drop, check)),
+        holder,
+        secret,
+        lock_ms,
+        None if queues is None else [_checks.name(q, "queue") for q in queues],
+    )
 
     def parse(rows: Rows) -> list[str]:
         return list(rows[0][0] or ())

@@ -12,8 +12,9 @@ from . import _checks
 from ._ops import Op, Rows, no_result, render
 
 _PUBLISH: LiteralString = (
-    "SELECT queue_name, result_code, message_id FROM {schema}.message_publish_v1("
-    "%s::text, %s::text, %s::text, %s::text, %s::bytea, %s::integer, %s::bigint, %s::bigint)"
+    "SELECT queue_name, result_code, message_id FROM {schema}.message_publish_v2("
+    "%s::text, %s::text, %s::text, %s::text, %s::bytea, %s::integer, %s::bigint, %s::bigint, "
+    "%s::boolean)"
 )
 _EXCHANGE_DECLARE: LiteralString = (
     "SELECT {schema}.exchange_declare_v1(%s::text, %s::text, %s::boolean, %s::boolean)"
@@ -62,7 +63,12 @@ def publish_op(
     priority: int = 0,
     ttl_ms: float | None = None,
     max_message_bytes: int = _checks.DEFAULT_MAX_MESSAGE_BYTES,
+    handoff: bool = False,
 ) -> Op[Routed]:
+    """Publish ``content`` through ``exchange`` with ``routing_key``. ``handoff`` (schema
+    version 21): the publish commits at once (not in a caller's transaction that goes on), so
+    a message due now may be handed to a consumer asleep on its queue, locked for it from
+    the create on (see docs/design.md, "The hand-off")."""
     _checks.optional_key(exchange, "exchange name")
     _checks.optional_key(routing_key, "routing key")
     if not exchange:
@@ -72,6 +78,7 @@ def publish_op(
         routing_key,
         None if channel is None else _checks.name(channel, "channel"),
         *_checks.message(name, content, priority, delay_ms, ttl_ms, max_message_bytes),
+        bool(handoff),
     )
 
     def parse(rows: Rows) -> Routed:

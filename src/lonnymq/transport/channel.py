@@ -114,6 +114,7 @@ class Channel(TopologyChannel):
         headers = message.get("headers") or {}
         props = message.get("properties") or {}
         make_eta_aware(headers)
+        caller = current_connection()
         op = publish_op(
             self.options.schema,
             exchange,
@@ -125,8 +126,9 @@ class Channel(TopologyChannel):
             priority=priority(props.get("priority")),
             ttl_ms=ttl_ms(headers, props),
             max_message_bytes=self.options.max_message_bytes,
+            # (in the caller's transaction the lock would run from the create, not the commit)
+            handoff=self.options.handoff and caller is None,
         )
-        caller = current_connection()
         if caller is not None:
             # inside lonnymq.transaction(conn): in the caller's transaction, on its connection
             routed = run(caller, op)
@@ -292,7 +294,7 @@ class Channel(TopologyChannel):
             self._retry_in(result.retry_ms)
             return [], result.retry_ms
         settled = self.idle and result.settled and self._asleep_on_all()
-        self.idle, self.retry_at = False, None
+        timer, self.idle, self.retry_at = self.retry_at, False, None
         self.busy_rounds += 1
         messages = [m for m in result.messages if m.queue in self._active_queues]
         if len(messages) < len(result.messages):
@@ -324,6 +326,8 @@ class Channel(TopologyChannel):
             # when this batch fills its prefetch window: a NOTIFY read while it is full
             # fetches nothing, and the ack that frees it wakes only channels awake.
             self._retry_in(result.retry_ms)
+            if result.retry_ms is None:  # handed (no dequeue): the timer stays as it was
+                self.retry_at = timer
             self.idle, self.busy_rounds = True, 0
         return batch, None
 

@@ -32,7 +32,9 @@ from ..dsn import mask_password
 from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
 from ..queue._checks import MAX_ID
 from ..queue._ops import Op, async_commit, flush_op, run, translate
+from ..queue.dequeue import Message
 from . import pooler, sweep
+from .handoff import Handoffs
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
@@ -250,11 +252,14 @@ class Waiter(_Forkable):
         *,
         listen: bool = True,
         hint_channel: str | None = None,
+        handoff_schema: str | None = None,
     ) -> None:
         self.conninfo = conninfo
         self.channel = channel
         #: where creates name the message they made (``'<id> <queue>'``): see :meth:`hints`
         self.hint_channel = hint_channel
+        #: what publishes hand to this session (None: no hand-off; see :mod:`.handoff`)
+        self.handoffs = None if handoff_schema is None else Handoffs(handoff_schema)
         self.connect_timeout = connect_timeout
         self.listen = listen
         self._conn = None
@@ -279,6 +284,8 @@ class Waiter(_Forkable):
         self._pipe = self._new_pipe()  # the parent's pipe stays the parent's
         self._hints_lock = threading.Lock()
         self._hints = {}  # (the parent's LISTEN session's)
+        if self.handoffs is not None:  # (the parent's to deliver)
+            self.handoffs = Handoffs(self.handoffs.schema)
 
     def wake(self) -> None:
         """End a wait in progress (or the next one) now. Safe from any thread."""
@@ -346,7 +353,11 @@ class Waiter(_Forkable):
             try:
                 found = set()
                 for n in conn.notifies(timeout=0):
-                    if n.channel == self.hint_channel:
+                    if self.handoffs is not None and n.channel == self.handoffs.channel:
+                        handed = self.handoffs.receive(n.payload, queues)
+                        if handed is not None:
+                            found.add(handed)
+                    elif n.channel == self.hint_channel:
                         ident, _, queue = n.payload.partition(" ")
                         if queue in queues:
                             self._hint(queue, ident)
@@ -356,6 +367,8 @@ class Waiter(_Forkable):
                 with self._hints_lock:  # (those of queues no longer consumed go)
                     for queue in [q for q in self._hints if q not in queues]:
                         del self._hints[queue]
+                if self.handoffs is not None:
+                    self.handoffs.unconsumed(queues)
                 return found
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
@@ -372,6 +385,18 @@ class Waiter(_Forkable):
             held = self._hints.setdefault(queue, set())
             if len(held) < MAX_HINTS:  # (more: the dequeue finds them)
                 held.add(int(ident))
+
+    def handed(self, queues: Collection[str]) -> list[Message]:
+        """Take the messages handed to this session for ``queues`` (see :mod:`.handoff`)."""
+        return [] if self.handoffs is None else self.handoffs.take(queues)
+
+    def orphans(self) -> list[Message]:
+        """Take the messages handed for queues no longer consumed (to release)."""
+        return [] if self.handoffs is None else self.handoffs.orphans()
+
+    def pending(self, *, take: bool = True) -> list[Message]:
+        """The messages handed and not delivered yet (see :meth:`.Handoffs.pending`)."""
+        return [] if self.handoffs is None else self.handoffs.pending(take=take)
 
     def hints(self, queues: Collection[str]) -> list[int]:
         """Take the ids of the messages that creates of ``queues`` said they made since the
@@ -395,7 +420,10 @@ class Waiter(_Forkable):
             pooler.check_listen(
                 conn, self.conninfo, lambda: _open(self.conninfo, self.connect_timeout, "check")
             )
-            for channel in (self.channel, self.hint_channel):
+            if self.handoffs is not None:
+                self.handoffs.adopt(conn)
+            handoff_channel = None if self.handoffs is None else self.handoffs.channel
+            for channel in (self.channel, self.hint_channel, handoff_channel):
                 if channel is not None:
                     conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except BaseException as exc:

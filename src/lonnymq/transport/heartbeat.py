@@ -63,6 +63,8 @@ class Heartbeat(threading.Thread):
         for channel in list(transport.channels):
             if getattr(channel, "_qos", None) is not None:
                 held.extend(channel.qos.held())
+        # handed to it, and not delivered yet (a full prefetch window)
+        held.extend((m.id, m.lock_token) for m in transport.waiter.pending(take=False))
         if held:
             op = heartbeat_op(transport.options.schema, held, lock_ms=transport.options.lock_ms)
             kept = transport.pg.run(transport.consumer_op(op))

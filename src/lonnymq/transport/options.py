@@ -51,6 +51,12 @@ class Options:
     #: Wait on LISTEN/NOTIFY (one extra connection per consuming process). Behind a pooler in
     #: transaction mode (PgBouncer) it cannot work: set listen_dsn, or turn this off to poll.
     use_listen: bool = True
+    #: Let a publish hand its message to a consumer asleep on its queue (schema version 21):
+    #: created locked for that consumer and sent in the NOTIFY that wakes it, so that it
+    #: delivers without a dequeue. Only for publishes in their own transaction, due now, of
+    #: at most 4,800 bytes, to a channel without a limit, when nothing else of the queue
+    #: waits (docs/design.md, "The hand-off"). Off: woken consumers dequeue what woke them.
+    handoff: bool = True
     #: A connection straight to Postgres (``postgresql://`` or ``lonnymq://`` URL, or a libpq
     #: ``key=value`` string) for what a consumer needs a session of its own for: its LISTEN
     #: connection, and its dequeues, acks and releases (a dequeue that finds nothing marks its
@@ -115,6 +121,13 @@ class Options:
         return max(1, int(self.visibility_timeout * 1000))
 
     @property
+    def handoff_lock_ms(self) -> int:
+        """How long a message handed to this consumer is locked from its create: the lock of
+        a take, but at most two heartbeats and 30 s (the heartbeat extends it once the
+        consumer has it), so that one whose NOTIFY was lost comes back that soon."""
+        return min(self.lock_ms, int((2 * self.heartbeat_seconds + 30) * 1000))
+
+    @property
     def heartbeat_seconds(self) -> float:
         if self.heartbeat_interval is not None:
             return self.heartbeat_interval
@@ -161,7 +174,7 @@ class Options:
                 url.to_conninfo(self.listen_dsn)
             except ConfigurationError as exc:
                 raise ConfigurationError(f"transport option listen_dsn: {exc}") from None
-        for name in ("use_listen", "auto_install", "event_loop"):
+        for name in ("use_listen", "handoff", "auto_install", "event_loop"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigurationError(f"transport option {name} must be True or False")
         _integer("batch_size", self.batch_size, 1, 10_000)

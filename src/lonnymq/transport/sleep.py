@@ -133,9 +133,13 @@ class SleepKeys:
     """The ``sleep`` keys one transport holds on its LISTEN session (see the module
     docstring). :meth:`plan` and :meth:`apply` are never run at the same time."""
 
-    def __init__(self, waiter: Waiter, schema: str) -> None:
+    def __init__(self, waiter: Waiter, schema: str, handoff_lock_ms: int = 0) -> None:
         self.waiter = waiter
         self.schema = schema
+        #: the lock of a message handed to this consumer (see Options.handoff_lock_ms)
+        self.handoff_lock_ms = handoff_lock_ms
+        #: the queues its sleeper row names (hand-offs; None: none written on this session)
+        self.registered: frozenset[str] | None = None
         self.held: set[str] = set()
         #: queues checked with a producer transaction open
         self.unsettled: set[str] = set()
@@ -148,6 +152,7 @@ class SleepKeys:
         if session != self._session:  # a new session holds nothing yet
             self.held.clear()
             self.unsettled.clear()
+            self.registered = None
             self._session = session
         if session is None:
             return None
@@ -191,13 +196,29 @@ class SleepKeys:
 
     def apply(self, change: Change) -> Settled:
         """Apply ``change`` on the LISTEN session (from any thread)."""
-        done = self.waiter.run(
-            sleep_op(self.schema, change.take, change.drop, change.check), change.consumed
+        handoffs = self.waiter.handoffs
+        holder = None if handoffs is None else handoffs.holder
+        queues = None
+        if holder is not None and change.consumed != self.registered:
+            queues = sorted(change.consumed)
+        op = sleep_op(
+            self.schema,
+            change.take,
+            change.drop,
+            change.check,
+            holder=holder,
+            secret=None if handoffs is None or holder is None else handoffs.secret,
+            lock_ms=None if holder is None else self.handoff_lock_ms,
+            queues=queues,
         )
+        done = self.waiter.run(op, change.consumed)
         if done is None:  # the session failed: its keys went with it
             self.held.clear()
             self.unsettled.clear()
+            self.registered = None
             return Settled(change.consumed, None)
+        if queues is not None:
+            self.registered = change.consumed
         still_open, notified = done
         self.held.update(change.take)
         self.held.difference_update(change.drop)

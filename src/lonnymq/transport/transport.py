@@ -140,7 +140,7 @@ class Transport(virtual.Transport):
     def sleep(self) -> SleepKeys:
         """The ``sleep`` keys held on the LISTEN session (see :mod:`.sleep`)."""
         if self._sleep is None:
-            self._sleep = SleepKeys(self.waiter, self.options.schema)
+            self._sleep = SleepKeys(self.waiter, self.options.schema, self.options.handoff_lock_ms)
         return self._sleep
 
     def ack_and_dequeue(
@@ -152,6 +152,15 @@ class Transport(virtual.Transport):
         (their ids came with the NOTIFY) are then taken by their ids when nothing else of its
         queues waits (``message_dequeue_hinted_v1``). A busy channel's hints are dropped."""
         waiter = self._waiter
+        if waiter is not None:
+            self.release((m.id, m.lock_token) for m in waiter.orphans())
+            handed = waiter.handed(queues)
+            if handed:
+                # handed by their publishes, locked for this consumer (see
+                # docs/design.md, "The hand-off"): no round trip; what the window has no
+                # room for goes back (the acks wait for the next one)
+                self.release((m.id, m.lock_token) for m in handed[limit:])
+                return DequeueResult(handed[:limit], settled=idle)
         hints = waiter.hints(queues) if waiter is not None else []
         acks = self.acks.take()
         try:
@@ -274,6 +283,9 @@ class Transport(virtual.Transport):
                 self._heartbeat.stopped.set()
                 self._heartbeat = None
             if self._waiter is not None:
+                with contextlib.suppress(LonnyMQError):  # else their locks expire
+                    self._waiter.notified(())  # (those arrived and unread: orphans now)
+                    self.release((m.id, m.lock_token) for m in self._waiter.pending())
                 self._waiter.dispose()
                 self._waiter = None
                 self._sleep = None
@@ -341,6 +353,7 @@ class Transport(virtual.Transport):
                 self.options.connect_timeout,
                 listen=self.options.use_listen,
                 hint_channel=hint_channel(self.options.schema),
+                handoff_schema=self.options.schema if self.options.handoff else None,
             )
         return self._waiter
 

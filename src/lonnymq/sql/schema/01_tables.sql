@@ -345,6 +345,19 @@ CREATE TABLE {schema}.queue_gone (
 
 CREATE INDEX queue_gone_at_idx ON {schema}.queue_gone (gone_at);
 
+-- Transports that take messages handed to them by a publish (schema version 21; see
+-- handoff_v1): one row per LISTEN session, written when the queues it consumes change. holder:
+-- random, its own; the session holds the key 'holder' of it while it lives, and the key
+-- 'asleep <holder>' of each queue it sleeps on. secret: sent back with each hand-off (any
+-- role may NOTIFY; only the schema's owner reads this table).
+CREATE TABLE {schema}.sleeper (
+    holder bigint PRIMARY KEY,
+    queues text[] COLLATE "C" NOT NULL,
+    secret text NOT NULL,
+    lock_ms bigint NOT NULL CHECK (lock_ms > 0),
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
 -- Storage: the hot tables churn; leave room on each page for updated row versions (HOT
 -- updates), and let autovacuum, where it runs, visit them early.
 ALTER TABLE {schema}.message SET (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.01,

@@ -82,6 +82,69 @@ BEGIN
 END;
 $$;
 
+-- sleep_v1, and the hand-off's registration (schema version 21; see handoff_v1): p_holder,
+-- this LISTEN session's own random id (NULL: no hand-off, as sleep_v1). Its key 'holder' is
+-- taken once, and the key 'asleep <holder>' of a queue is held (session lock) while the
+-- queue's `sleep` key is, so that a publish hands a message only to a session asleep on its
+-- queue, and to no session that is gone. p_queues (NULL: unchanged): the queues the session
+-- consumes, written to its sleeper row with p_secret and p_lock_ms; rows of sessions that
+-- are gone and consumed some of them are deleted then.
+CREATE FUNCTION {schema}.sleep_v2(
+    p_take text[], p_drop text[], p_check text[], p_holder bigint, p_secret text,
+    p_lock_ms bigint, p_queues text[]
+) RETURNS text[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_key bigint;
+BEGIN
+    IF p_holder IS NOT NULL THEN
+        v_key := {schema}.queue_key_v1('holder', p_holder::text);
+        IF current_setting('lonnymq.holder', true) IS DISTINCT FROM p_holder::text THEN
+            PERFORM pg_advisory_lock(v_key);
+            PERFORM set_config('lonnymq.holder', p_holder::text, false);
+        END IF;
+        PERFORM pg_advisory_unlock({schema}.queue_key_v1('asleep ' || p_holder, d.q))
+        FROM (SELECT DISTINCT u.q FROM unnest(p_drop) AS u(q) ORDER BY u.q) AS d;
+        IF p_queues IS NOT NULL THEN
+            INSERT INTO {schema}.sleeper (holder, queues, secret, lock_ms)
+            VALUES (p_holder, p_queues, p_secret, p_lock_ms)
+            ON CONFLICT (holder) DO UPDATE SET queues = excluded.queues,
+                secret = excluded.secret, lock_ms = excluded.lock_ms,
+                updated_at = clock_timestamp();
+            DELETE FROM {schema}.sleeper s
+            WHERE s.holder IN (
+                SELECT g.holder FROM {schema}.sleeper g
+                WHERE g.holder <> p_holder AND g.queues && p_queues
+                  AND NOT {schema}.key_held_v1({schema}.queue_key_v1('holder', g.holder::text))
+                FOR UPDATE SKIP LOCKED);
+        END IF;
+    END IF;
+    PERFORM pg_advisory_unlock_shared({schema}.queue_key_v1('sleep', d.q))
+    FROM (SELECT DISTINCT u.q FROM unnest(p_drop) AS u(q) ORDER BY u.q) AS d;
+    PERFORM pg_advisory_lock_shared({schema}.queue_key_v1('sleep', t.q))
+    FROM (SELECT DISTINCT u.q FROM unnest(p_take) AS u(q) ORDER BY u.q) AS t;
+    IF p_holder IS NOT NULL THEN
+        PERFORM pg_advisory_lock({schema}.queue_key_v1('asleep ' || p_holder, t.q))
+        FROM (SELECT DISTINCT u.q FROM unnest(p_take) AS u(q) ORDER BY u.q) AS t;
+    END IF;
+    RETURN ARRAY(SELECT DISTINCT c.q FROM unnest(p_check) AS c(q)
+                 WHERE NOT {schema}.queue_idle_v1(c.q) ORDER BY c.q);
+END;
+$$;
+
+-- Whether another session holds the advisory key p_key (session or transaction lock): tried
+-- and, when got, released at once.
+CREATE FUNCTION {schema}.key_held_v1(p_key bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF pg_try_advisory_lock(p_key) THEN
+        PERFORM pg_advisory_unlock(p_key);
+        RETURN false;
+    END IF;
+    RETURN true;
+END;
+$$;
+
 -- The id of a queue, created on first use.
 CREATE FUNCTION {schema}.queue_ensure_v1(p_queue text) RETURNS integer
 LANGUAGE plpgsql AS $$

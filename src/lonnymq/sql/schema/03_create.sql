@@ -71,6 +71,115 @@ BEGIN
 END;
 $$;
 
+-- Hand a message due now to a consumer asleep on its queue (schema version 21): called by
+-- message_create_v1 in a publish that commits at once (message_publish_v2's p_handoff).
+-- RabbitMQ pushes a message to its consumer; here the consumer used to be woken by a NOTIFY
+-- and then dequeue it, a round trip after the commit. When a transport's LISTEN session
+-- sleeps on the queue (it holds the key 'asleep <holder>' of it, see sleep_v2) and no other
+-- transaction is handing it a message (the key 'handoff' of its holder, taken here until the
+-- commit), the message is created locked for it (as a take would lock it: attempts 1, its
+-- lock_ms; the lock token starts with the holder's id) and sent whole in a NOTIFY on its
+-- channel lonnymq_hand_<holder>: '<secret> <id> <lock token> <priority> <created at, epoch
+-- seconds> <queue length> <channel length> <queue><channel><content, base64>'. Only the first
+-- create of a transaction to hint or hand (as wake_v2's hint), for a channel without a limit
+-- (no max_concurrency, no rate, its own or the queue's), when nothing of the queue waits that
+-- the round robin would serve first (the hinted take's rules, see message_dequeue_hinted_v1):
+-- nothing of it that no ingest has seen (of fewer than 64 such rows, of every queue), the
+-- queue in the ingest's state without heads pending, no slot of a limited channel of it freed
+-- since, no lane of it due and no lock of it past its expiry. Its creation and delivery are
+-- tallied as the take's. Returns the message's id, or NULL when it was not handed (then it is
+-- created as usual). Three statements: what a publish's round trip pays when cold.
+CREATE FUNCTION {schema}.handoff_v1(
+    p_queue text, p_channel text, p_content bytea, p_priority integer, p_ttl_ms bigint
+) RETURNS bigint
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+    SET enable_bitmapscan = off AS $$
+DECLARE
+    v_key bigint := {schema}.queue_key_v1('sleep', p_queue);
+    v_now timestamptz := clock_timestamp();
+    v_to {schema}.sleeper;
+    v_id bigint;
+BEGIN
+    -- (nobody sleeps on the queue when its key is free: tried and given back at once)
+    IF coalesce(current_setting('lonnymq.hinted', true), '') <> ''
+       OR (CASE WHEN pg_try_advisory_lock(v_key) THEN pg_advisory_unlock(v_key) ELSE false END) THEN
+        RETURN NULL;
+    END IF;
+    WITH d AS MATERIALIZED (
+        SELECT d.* FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1
+    ), unseen AS MATERIALIZED (
+        SELECT m.queue
+        FROM d CROSS JOIN LATERAL (
+            SELECT m.queue FROM {schema}.message m
+            WHERE m.txid >= pg_snapshot_xmax(d.snap) AND m.lock_token IS NULL
+            ORDER BY m.txid LIMIT 64) AS m
+        UNION ALL
+        SELECT m.queue
+        FROM d CROSS JOIN LATERAL pg_snapshot_xip(d.snap) AS x(txid)
+        CROSS JOIN LATERAL (
+            SELECT m.queue FROM {schema}.message m
+            WHERE m.txid = x.txid AND m.lock_token IS NULL
+            LIMIT 64) AS m
+    ), quiet AS MATERIALIZED (
+        SELECT 1
+        FROM d
+        LEFT JOIN {schema}.queue q ON q.name = p_queue
+        LEFT JOIN {schema}.channel c ON c.queue = p_queue AND c.name = p_channel
+        WHERE CASE WHEN c.has_policy
+                   THEN c.own_max_concurrency IS NULL AND c.own_rate_count IS NULL
+                   ELSE q.max_concurrency IS NULL AND q.rate_count IS NULL END
+          AND (SELECT count(*) FROM unseen) < 64
+          AND NOT EXISTS (SELECT 1 FROM unseen u WHERE u.queue = p_queue)
+          AND p_queue = ANY (d.queues) AND NOT p_queue = ANY (d.pend_queue)
+          AND NOT EXISTS (SELECT 1 FROM {schema}.channel f WHERE f.queue = p_queue AND f.freed)
+          AND NOT EXISTS (SELECT 1 FROM {schema}.lane l
+                          WHERE l.queue = p_queue
+                            AND l.turn_at >= d.turn_from[array_position(d.queues, p_queue)]
+                            AND l.turn_at <= v_now + interval '1 millisecond')
+          AND NOT EXISTS (SELECT 1 FROM {schema}.message e
+                          WHERE e.queue = p_queue
+                            AND e.locked_until >= d.lock_from[array_position(d.queues, p_queue)]
+                            AND e.locked_until <= v_now)
+    )
+    -- the sessions registered for the queue, in random order: the first asleep on it (holds
+    -- the key, tried and given back at once) and not being handed a message meanwhile
+    SELECT s.* INTO v_to
+    FROM (SELECT s.* FROM quiet, {schema}.sleeper s WHERE p_queue = ANY (s.queues)
+          ORDER BY random()) AS s
+    WHERE NOT CASE WHEN pg_try_advisory_lock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
+                   THEN pg_advisory_unlock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
+                   ELSE false END
+      AND pg_try_advisory_xact_lock({schema}.queue_key_v1('handoff', s.holder::text))
+    LIMIT 1;
+    IF v_to.holder IS NULL THEN
+        RETURN NULL;
+    END IF;
+    WITH made AS (
+        INSERT INTO {schema}.message (queue, channel, priority, attempts, arrival, txid,
+                                      dequeue_at, locked_until, lock_token, expires_at, content)
+        VALUES (p_queue, p_channel, p_priority, 1, 1, pg_current_xact_id(), v_now,
+                v_now + v_to.lock_ms * interval '1 millisecond',
+                (lpad(to_hex(v_to.holder), 16, '0')
+                 || right(replace(gen_random_uuid()::text, '-', ''), 16))::uuid,
+                v_now + p_ttl_ms * interval '1 millisecond', p_content)
+        RETURNING id, lock_token, created_at, locked_until
+    ), tallied AS (
+        INSERT INTO {schema}.tally (queue, channel, enqueued, delivered, lock_until, lock_id)
+        SELECT p_queue, p_channel, 1, 1, m.locked_until, m.id FROM made m
+    )
+    SELECT m.id INTO v_id
+    FROM made m,
+         LATERAL (SELECT set_config('lonnymq.hinted', 'on', true),
+                         pg_notify('lonnymq_hand_' || v_to.holder,
+                                   concat_ws(' ', v_to.secret, m.id, m.lock_token, p_priority,
+                                             extract(epoch FROM m.created_at), length(p_queue),
+                                             length(p_channel))
+                                   || ' ' || p_queue || p_channel
+                                   || translate(encode(p_content, 'base64'), E'\n', ''))) AS n;
+    RETURN v_id;
+END;
+$$;
+
 -- Create a message. result_code: 'created', 'deduplicated' (message_id is the existing one)
 -- or 'dropped' (the channel is at max_size). p_ttl_ms (NULL: none): the message is dropped
 -- if not dequeued within that time after it is due. In a channel without a max_size it is
@@ -112,6 +221,16 @@ BEGIN
             PERFORM {schema}.wake_v1(p_queue);
         END IF;
         RETURN;
+    END IF;
+    -- (schema version 21) in a publish that commits at once, a message due now may be handed
+    -- to a consumer asleep on the queue (handoff_v1)
+    IF p_name IS NULL AND coalesce(p_delay_ms, 0) <= 0 AND octet_length(p_content) <= 4800
+       AND current_setting('lonnymq.handoff', true) = 'on' THEN
+        message_id := {schema}.handoff_v1(p_queue, p_channel, p_content, p_priority, p_ttl_ms);
+        IF message_id IS NOT NULL THEN
+            result_code := 'created';
+            RETURN;
+        END IF;
     END IF;
     LOOP
         v_at := clock_timestamp() + p_delay_ms * interval '1 millisecond';

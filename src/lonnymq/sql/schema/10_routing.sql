@@ -117,3 +117,46 @@ BEGIN
 END;
 $$;
 
+-- message_publish_v1, and p_handoff (schema version 21): the caller commits the publish at
+-- once (its own transaction, not a caller's that goes on), so a message due now may be
+-- handed to a consumer asleep on its queue (handoff_v1), which is then locked for it from
+-- the create on. (Its body is message_publish_v1's, not a call of it: a publish's round trip
+-- pays each statement cold.)
+CREATE FUNCTION {schema}.message_publish_v2(
+    p_exchange text,
+    p_routing_key text,
+    p_channel text,
+    p_name text,
+    p_content bytea,
+    p_priority integer,
+    p_delay_ms bigint,
+    p_ttl_ms bigint,
+    p_handoff boolean
+)
+RETURNS TABLE (queue_name text, result_code text, message_id bigint)
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_queue text;
+    v_ttl bigint;
+BEGIN
+    PERFORM set_config('lonnymq.handoff', CASE WHEN p_handoff THEN 'on' ELSE '' END, true);
+    FOREACH v_queue IN ARRAY {schema}.route_v1(p_exchange, p_routing_key) LOOP
+        SELECT LEAST(p_ttl_ms, q.message_ttl_ms) INTO v_ttl
+        FROM {schema}.queue q WHERE q.name = v_queue;
+        -- (a queue gone is not re-created by a publish to its name: see message_publish_v1)
+        IF NOT FOUND AND p_exchange = ''
+           AND EXISTS (SELECT 1 FROM {schema}.queue_gone g WHERE g.name = v_queue) THEN
+            CONTINUE;
+        END IF;
+        queue_name := v_queue;
+        SELECT c.result_code, c.message_id INTO result_code, message_id
+        FROM {schema}.message_create_v1(
+            v_queue,
+            coalesce(nullif(p_channel, ''), nullif(p_routing_key, ''), v_queue),
+            p_name, p_content, p_priority, p_delay_ms, coalesce(v_ttl, p_ttl_ms)
+        ) AS c;
+        RETURN NEXT;
+    END LOOP;
+    PERFORM set_config('lonnymq.handoff', '', true);
+END;
+$$;

@@ -1,0 +1,144 @@
+"""Messages that publishes hand to this consumer's LISTEN session (schema version 21).
+
+A publish that finds the session asleep on its queue creates the message locked for it and
+sends it whole in a NOTIFY on the session's own channel, ``lonnymq_hand_<holder>``
+(``handoff_v1``; docs/design.md, "The hand-off"). They are read with the session's other
+notifications (:class:`~lonnymq.transport.connection.Waiter`) and kept here until the kombu
+channel of their queue fetches: it then delivers them instead of dequeuing (see
+``Transport.ack_and_dequeue``). Those of queues no longer consumed, and those left when the
+connection closes, are released by the transport; the heartbeat extends the locks of those
+still waiting (a full prefetch window).
+
+Each LISTEN session has an id (``holder``) and a secret of its own, new with the session: a
+session the client lost may still hold its keys on the server for a while, and publishes
+would hand it messages. Any role may NOTIFY, so a payload without the secret is dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hmac
+import logging
+import secrets
+import threading
+import uuid
+from collections.abc import Collection
+from datetime import datetime, timezone
+from typing import Any
+
+import psycopg
+
+from ..queue.dequeue import Message
+from . import pooler
+
+logger = logging.getLogger("lonnymq.transport")
+
+#: What a new LISTEN session asks of the server: to find a client that is gone within about
+#: a minute (TCP keepalives), so that what is handed to a session nobody reads any more comes
+#: back at its lock's expiry and its keys are not held longer.
+_KEEPALIVES = (
+    "SELECT set_config('tcp_keepalives_idle', '30', false), "
+    "set_config('tcp_keepalives_interval', '10', false), "
+    "set_config('tcp_keepalives_count', '3', false)"
+)
+_WHO = "SELECT pg_backend_pid(), backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+_END = (
+    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s AND backend_start = %s"
+)
+
+
+class Handoffs:
+    """What publishes handed to one transport's LISTEN session, by queue. Thread-safe (the
+    loop reads notifications while the fetch thread takes what was handed)."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        #: the session's id and secret (None: no session opened yet)
+        self.holder: int | None = None
+        self.secret = ""
+        self._handed: dict[str, list[Message]] = {}
+        self._orphans: list[Message] = []
+        self._backend: tuple[int, Any] | None = None  # (pid, start) of the last session
+        self._lock = threading.Lock()
+
+    @property
+    def channel(self) -> str | None:
+        """The NOTIFY channel of the session's hand-offs."""
+        return None if self.holder is None else f"lonnymq_hand_{self.holder}"
+
+    def adopt(self, conn: psycopg.Connection[Any]) -> None:
+        """Make the new LISTEN session ``conn`` the one hand-offs go to: a new id and secret;
+        the last session ended if the server still has it (a connection lost on this side
+        only: publishes would go on handing it messages), unless through a pooler (that
+        server session may be another client's by now); keepalives asked for."""
+        conn.execute(_KEEPALIVES)
+        row = conn.execute(_WHO).fetchone()
+        old, self._backend = self._backend, None if row is None else (int(row[0]), row[1])
+        if old is not None and not pooler.pooled(conn):
+            with contextlib.suppress(psycopg.Error):  # (not ours to end: it stays)
+                conn.execute(_END, old)
+        self.holder, self.secret = secrets.randbits(62) + 1, secrets.token_hex(16)
+
+    def receive(self, payload: str, queues: Collection[str]) -> str | None:
+        """Keep a message handed to this session (``handoff_v1``'s payload); returns its
+        queue when one of ``queues`` (those consumed). One for another queue is kept to be
+        released (:meth:`orphans`); one without this session's secret is dropped."""
+        try:
+            secret, ident, token, prio, created, qlen, clen, rest = payload.split(" ", 7)
+            if not hmac.compare_digest(secret, self.secret):
+                raise ValueError("not this session's secret")
+            end = int(qlen) + int(clen)
+            message = Message(
+                schema=self.schema,
+                id=int(ident),
+                queue=rest[: int(qlen)],
+                channel=rest[int(qlen) : end],
+                name=None,
+                priority=int(prio),
+                attempts=1,
+                lock_token=uuid.UUID(token),
+                created_at=datetime.fromtimestamp(float(created), tz=timezone.utc),
+                content=base64.b64decode(rest[end:], validate=True),
+                state=None,
+            )
+        except (ValueError, binascii.Error) as exc:
+            logger.debug("lonnymq: hand-off %.80r ignored (%s)", payload, exc)
+            return None
+        with self._lock:
+            if message.queue in queues:
+                self._handed.setdefault(message.queue, []).append(message)
+                return message.queue
+            self._orphans.append(message)
+            return None
+
+    def unconsumed(self, queues: Collection[str]) -> None:
+        """Those of queues not among ``queues`` (no longer consumed) become orphans."""
+        with self._lock:
+            for queue in [q for q in self._handed if q not in queues]:
+                self._orphans.extend(self._handed.pop(queue))
+
+    def take(self, queues: Collection[str]) -> list[Message]:
+        """Take the messages handed for ``queues``, by id (locked for this consumer: deliver
+        them, or release them)."""
+        with self._lock:
+            found: list[Message] = []
+            for queue in queues:
+                found.extend(self._handed.pop(queue, ()))
+            return sorted(found, key=lambda m: m.id)
+
+    def orphans(self) -> list[Message]:
+        """Take the messages handed for queues no longer consumed (to release)."""
+        with self._lock:
+            found, self._orphans = self._orphans, []
+            return found
+
+    def pending(self, *, take: bool = True) -> list[Message]:
+        """The messages handed and not delivered yet, orphans included: taken (to release
+        them), or only looked at (to extend their locks)."""
+        with self._lock:
+            found = [m for ms in self._handed.values() for m in ms] + self._orphans
+            if take:
+                self._handed, self._orphans = {}, []
+            return found

@@ -1,0 +1,399 @@
+# mypy: allow-untyped-calls
+# (kombu is untyped)
+"""A publish hands its message to a consumer asleep on its queue (schema version 21;
+docs/design.md, "The hand-off").
+
+The message is created locked for one transport's LISTEN session and sent whole in a NOTIFY
+on that session's channel: the consumer delivers it without a dequeue. Each test checks what
+must hold whoever delivers (every message once, counters exact, the acks, limits and the
+caller's transaction) and which path delivered (the dequeues the consumer ran, the lock
+token's holder).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from kombu.connection import Connection
+from kombu.messaging import Producer
+from psycopg import sql
+
+import lonnymq
+from lonnymq.queue.dequeue import dequeue_op
+from lonnymq.transport import transport as transport_module
+from tests.invariants import assert_consistent
+from tests.test_counters import counters
+from tests.test_wakeup import LOOPS, Driver, Received, asleep_on, declared, swept
+from tests.test_wakeup import drive as drive  # (a fixture)
+
+Conn = psycopg.Connection[Any]
+
+
+@pytest.fixture
+def kombu_defaults() -> dict[str, Any]:
+    """No fallback poll within a test: only a wake-up (or a hand-off) delivers in time."""
+    return {"visibility_timeout": 30, "polling_interval": 30}
+
+
+@pytest.fixture
+def dequeues(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[list[str]]]:
+    """The queues of every dequeue the transports of this test run."""
+    seen: list[list[str]] = []
+    plain = dequeue_op
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(list(args[1]))
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(transport_module, "dequeue_op", recorded)
+    yield seen
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def holders(conn: Conn, schema: str, queue: str) -> list[int]:
+    """The hand-off ids of the LISTEN sessions registered for ``queue``."""
+    rows = conn.execute(
+        sql.SQL("SELECT holder FROM {}.sleeper WHERE %s = ANY (queues) ORDER BY holder").format(
+            sql.Identifier(schema)
+        ),
+        [queue],
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def locks(conn: Conn, schema: str, queue: str) -> list[tuple[int, str | None]]:
+    """(id, lock token) of the queue's messages, by id."""
+    rows = conn.execute(
+        sql.SQL("SELECT id, lock_token::text FROM {}.message WHERE queue = %s ORDER BY id").format(
+            sql.Identifier(schema)
+        ),
+        [queue],
+    ).fetchall()
+    return [(int(r[0]), r[1]) for r in rows]
+
+
+def handed_to(token: str | None, holder: int) -> bool:
+    """Whether a lock token is that of a hand-off to ``holder`` (it starts with its id)."""
+    return token is not None and token.replace("-", "")[:16] == f"{holder:016x}"
+
+
+def settle(conn: Conn, schema: str, queue: str) -> None:
+    """Wait until a consumer sleeps on ``queue`` and stays asleep (its look after taking its
+    keys done)."""
+    wait_until(lambda: asleep_on(conn, schema, queue))
+    time.sleep(0.3)
+    assert asleep_on(conn, schema, queue)
+
+
+@pytest.mark.parametrize("hub", LOOPS)
+def test_an_idle_consumer_delivers_a_published_message_without_a_dequeue(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    conn: Conn,
+    schema: str,
+    dequeues: list[list[str]],
+    hub: bool,
+) -> None:
+    """Ten messages published to an idle consumer, one at a time: each is delivered, and
+    the consumer ran no dequeue for any of them; every counter is exact."""
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, hub)
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")  # (the queue in the ingest's state)
+    received.wait("warm")
+    for i in range(10):
+        settle(conn, schema, "hq")
+        before = len(dequeues)
+        producer.publish(i, routing_key="hq")
+        received.wait(i)
+        assert dequeues[before:] == [], f"message {i} was dequeued"
+    assert received.order == ["warm", *range(10)]
+    broker = lonnymq.Broker(schema)
+    wait_until(lambda: counters(broker, conn, "hq").acked == 11)
+    got = counters(broker, conn, "hq")
+    assert (got.enqueued, got.delivered, got.redelivered, got.acked) == (11, 11, 0, 11)
+    assert locks(conn, schema, "hq") == []
+    assert_consistent(conn, schema)
+
+
+def test_the_message_is_created_locked_for_the_sleeping_session(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A consumer that does not read its notifications meanwhile: the message waits locked
+    for its LISTEN session (the lock token names it), and is delivered at its next look,
+    without a dequeue."""
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    consumer_conn.drain_events(timeout=5)
+    with contextlib.suppress(TimeoutError):
+        consumer_conn.drain_events(timeout=0.3)  # found nothing: asleep
+    assert asleep_on(conn, schema, "hq")
+    (holder,) = holders(conn, schema, "hq")
+    producer.publish("handed", routing_key="hq")
+    ((_, token),) = locks(conn, schema, "hq")
+    assert handed_to(token, holder), token
+    consumer_conn.drain_events(timeout=5)
+    assert received.order == ["warm", "handed"]
+
+
+def test_two_consumers_never_get_one_message_twice(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    conn: Conn,
+    schema: str,
+) -> None:
+    """Two consumers asleep on one queue, messages published alone and in bursts: each is
+    delivered once, some by hand-off to each consumer."""
+    received = Received()
+    for _ in range(2):
+        consumer_conn = swept(make_connection())
+        (queue,) = declared(consumer_conn, "hq")
+        consumer_conn.Consumer(
+            [queue], callbacks=[received], accept=["json"], prefetch_count=2
+        ).consume()
+        drive(consumer_conn, False)
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    received.wait("warm")
+    wait_until(lambda: len(holders(conn, schema, "hq")) == 2)
+    sent = []
+    for burst in range(8):
+        time.sleep(0.1)
+        for j in range(1 + burst % 3):
+            body = f"m{burst}-{j}"
+            producer.publish(body, routing_key="hq")
+            sent.append(body)
+    for body in sent:
+        received.wait(body)
+    assert sorted(received.order) == sorted(["warm", *sent])  # each once
+    broker = lonnymq.Broker(schema)
+    wait_until(lambda: counters(broker, conn, "hq").acked == len(sent) + 1)
+    assert counters(broker, conn, "hq").delivered == len(sent) + 1
+    assert_consistent(conn, schema)
+
+
+def test_no_hand_off_in_the_callers_transaction(
+    make_connection: Callable[..., Connection],
+    conn: Conn,
+    connect: Callable[..., Conn],
+    schema: str,
+) -> None:
+    """A publish inside ``lonnymq.transaction(conn)`` commits with the caller: its message is
+    created ready (unlocked), as always, and delivered after the commit."""
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    consumer_conn.drain_events(timeout=5)
+    with contextlib.suppress(TimeoutError):
+        consumer_conn.drain_events(timeout=0.3)
+    assert asleep_on(conn, schema, "hq")
+    caller = connect()  # (autocommit: the block is one transaction, committed at its end)
+    with lonnymq.transaction(caller):
+        producer.publish("in-transaction", routing_key="hq")
+        ((_, token),) = locks(caller, schema, "hq")
+        assert token is None
+    consumer_conn.drain_events(timeout=5)
+    assert received.order == ["warm", "in-transaction"]
+
+
+def test_a_limited_channel_and_a_large_message_are_not_handed(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    conn: Conn,
+    schema: str,
+    dequeues: list[list[str]],
+) -> None:
+    """A channel with a max_concurrency (the slot is counted by the dequeue) and a message
+    over 4,800 bytes (it would not fit a NOTIFY) go through the dequeue, as before."""
+    broker = lonnymq.Broker(schema)
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    broker.queue("hq").channel("limited").policy.set(conn, max_concurrency=1)
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, False)
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    received.wait("warm")
+    for body, headers in (("limited", {"x-channel": "limited"}), ("x" * 6000, {})):
+        settle(conn, schema, "hq")
+        before = len(dequeues)
+        producer.publish(body, routing_key="hq", headers=headers)
+        received.wait(body)
+        assert dequeues[before:], "handed"
+    settle(conn, schema, "hq")
+    before = len(dequeues)
+    producer.publish("free", routing_key="hq")
+    received.wait("free")
+    assert dequeues[before:] == []
+    wait_until(lambda: counters(broker, conn, "hq").acked == 4)
+    assert_consistent(conn, schema)
+
+
+def test_what_the_prefetch_window_has_no_room_for_goes_back(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """Three messages handed to a consumer with a prefetch window of one before it reads
+    its notifications: it delivers the first, releases the others (back in their place, not
+    at their lock's expiry), and delivers them in turn; counters exact."""
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    received: list[Any] = []
+    held: list[Any] = []
+
+    def keep(body: Any, message: Any) -> None:
+        received.append(body)
+        held.append(message)
+
+    consumer_conn.Consumer([queue], callbacks=[keep], accept=["json"], prefetch_count=1).consume()
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    consumer_conn.drain_events(timeout=5)
+    held.pop().ack()
+    with contextlib.suppress(TimeoutError):
+        consumer_conn.drain_events(timeout=0.3)
+    (holder,) = holders(conn, schema, "hq")
+    for i in range(3):
+        producer.publish(i, routing_key="hq")
+    assert all(handed_to(token, holder) for _, token in locks(conn, schema, "hq"))
+    for i in range(3):
+        consumer_conn.drain_events(timeout=5)
+        assert received[-1] == i
+        assert len(held) == 1
+        held.pop().ack()
+    broker = lonnymq.Broker(schema)
+    wait_until(lambda: counters(broker, conn, "hq").acked == 4)
+    got = counters(broker, conn, "hq")
+    assert (got.delivered, got.redelivered) == (6, 0)  # two handed and released, taken again
+    assert_consistent(conn, schema)
+
+
+def test_messages_handed_to_a_consumer_that_closes_come_back_at_once(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A consumer closed with messages handed to it and not delivered releases them: another
+    consumer gets them at once, not at their lock's expiry."""
+    first = swept(make_connection())
+    (queue,) = declared(first, "hq")
+    first.Consumer([queue], callbacks=[lambda b, m: m.ack()], accept=["json"]).consume()
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    first.drain_events(timeout=5)
+    with contextlib.suppress(TimeoutError):
+        first.drain_events(timeout=0.3)
+    (holder,) = holders(conn, schema, "hq")
+    producer.publish("orphan", routing_key="hq")
+    ((_, token),) = locks(conn, schema, "hq")
+    assert handed_to(token, holder)
+    time.sleep(0.1)  # (its NOTIFY arrived, unread)
+    first.release()
+    ((_, token),) = locks(conn, schema, "hq")
+    assert token is None  # released, not left locked for its lock's time
+    second = make_connection()
+    received = Received()
+    second.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    second.drain_events(timeout=5)
+    assert received.order == ["orphan"]
+
+
+def test_a_forged_hand_off_is_ignored(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    conn: Conn,
+    connect: Callable[..., Conn],
+    schema: str,
+) -> None:
+    """Any role may NOTIFY: a payload on the session's channel without its secret (or not a
+    hand-off at all) delivers nothing, and the consumer goes on."""
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, True)
+    producer: Producer = make_connection().Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    received.wait("warm")
+    settle(conn, schema, "hq")
+    (holder,) = holders(conn, schema, "hq")
+    forger = connect()
+    channel = f"lonnymq_hand_{holder}"
+    body = "eyJib2R5IjogImZvcmdlZCJ9"  # base64 of a JSON body
+    for payload in (
+        f"wrong-secret 99 00000000-0000-0000-0000-000000000001 0 0 2 2 hqhq{body}",
+        "nonsense",
+        "",
+    ):
+        forger.execute("SELECT pg_notify(%s, %s)", [channel, payload])
+    time.sleep(0.3)
+    assert received.order == ["warm"]
+    producer.publish("real", routing_key="hq")
+    received.wait("real")
+    assert received.order == ["warm", "real"]
+
+
+def test_handoff_off_wakes_and_dequeues(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    conn: Conn,
+    schema: str,
+    dequeues: list[list[str]],
+) -> None:
+    """With the transport option ``handoff=False`` nothing registers for hand-offs, and a
+    woken consumer dequeues what woke it, as before version 21."""
+    consumer_conn = swept(make_connection(handoff=False))
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, False)
+    producer = make_connection(handoff=False).Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    received.wait("warm")
+    settle(conn, schema, "hq")
+    assert holders(conn, schema, "hq") == []
+    before = len(dequeues)
+    producer.publish("woken", routing_key="hq")
+    received.wait("woken")
+    assert dequeues[before:]
+
+
+def test_a_publisher_without_handoff_wakes_a_registered_consumer(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    conn: Conn,
+    schema: str,
+) -> None:
+    """A registered consumer is still woken by a publish that does not hand off (a client of
+    version 20, or ``handoff=False``): it sleeps on the queue's key as before."""
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    drive(consumer_conn, True)
+    producer = make_connection(handoff=False).Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    received.wait("warm")
+    settle(conn, schema, "hq")
+    sent = time.monotonic()
+    producer.publish("woken", routing_key="hq")
+    assert received.wait("woken") - sent < 1.0
