@@ -268,7 +268,7 @@ def test_a_publish_through_a_pooler_commits_durably_in_one_statement(
         queries.clear()
         jobs.put({"i": 1})
         jobs.close()
-    assert len(queries) == 1 and b"message_publish_v1" in queries[0], queries
+    assert len(queries) == 1 and b"message_publish_v2" in queries[0], queries
     assert b"synchronous_commit" not in queries[0]
     assert waiting(broker, conn, "durable") == 2
 

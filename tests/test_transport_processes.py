@@ -411,7 +411,7 @@ def cut_connections(conn: Conn, schema: str) -> Counter[str]:
             continue
         if app == "lonnymq-listen":
             cut["listen"] += 1
-        elif "message_publish_v1" in query or "pg_logical_emit_message" in query:
+        elif "message_publish_v" in query or "pg_logical_emit_message" in query:
             cut["producer"] += 1
         else:
             cut["consumer"] += 1

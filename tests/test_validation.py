@@ -205,6 +205,7 @@ def test_nasty_names_are_just_data(
         "queue",
         "queue_count",
         "queue_gone",
+        "sleeper",
         "tally",
     ]
 
