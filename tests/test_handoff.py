@@ -96,6 +96,27 @@ def settle(conn: Conn, schema: str, queue: str) -> None:
     assert asleep_on(conn, schema, queue)
 
 
+def consumer_of_hq(
+    make_connection: Callable[..., Connection], **options: Any
+) -> tuple[Connection, Received]:
+    """A kombu connection consuming the queue ``hq`` (declared), with the sweep its first
+    publish would start done (see ``test_wakeup.swept``), and what its callback receives."""
+    consumer_conn = swept(make_connection(**options))
+    (queue,) = declared(consumer_conn, "hq")
+    received = Received()
+    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    return consumer_conn, received
+
+
+def warm_then_idle(consumer_conn: Connection, producer: Producer) -> None:
+    """A first message delivered (the queue is then in the ingest's state), then a look that
+    finds nothing: the consumer (not driven by a thread) is asleep on ``hq``."""
+    producer.publish("warm", routing_key="hq")
+    consumer_conn.drain_events(timeout=5)
+    with contextlib.suppress(TimeoutError):
+        consumer_conn.drain_events(timeout=0.3)
+
+
 @pytest.mark.parametrize("hub", LOOPS)
 def test_an_idle_consumer_delivers_a_published_message_without_a_dequeue(
     make_connection: Callable[..., Connection],
@@ -107,10 +128,7 @@ def test_an_idle_consumer_delivers_a_published_message_without_a_dequeue(
 ) -> None:
     """Ten messages published to an idle consumer, one at a time: each is delivered, and
     the consumer ran no dequeue for any of them; every counter is exact."""
-    consumer_conn = swept(make_connection())
-    (queue,) = declared(consumer_conn, "hq")
-    received = Received()
-    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    consumer_conn, received = consumer_of_hq(make_connection)
     drive(consumer_conn, hub)
     producer = make_connection().Producer(serializer="json")
     producer.publish("warm", routing_key="hq")  # (the queue in the ingest's state)
@@ -136,15 +154,9 @@ def test_the_message_is_created_locked_for_the_sleeping_session(
     """A consumer that does not read its notifications meanwhile: the message waits locked
     for its LISTEN session (the lock token names it), and is delivered at its next look,
     without a dequeue."""
-    consumer_conn = swept(make_connection())
-    (queue,) = declared(consumer_conn, "hq")
-    received = Received()
-    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    consumer_conn, received = consumer_of_hq(make_connection)
     producer = make_connection().Producer(serializer="json")
-    producer.publish("warm", routing_key="hq")
-    consumer_conn.drain_events(timeout=5)
-    with contextlib.suppress(TimeoutError):
-        consumer_conn.drain_events(timeout=0.3)  # found nothing: asleep
+    warm_then_idle(consumer_conn, producer)
     assert asleep_on(conn, schema, "hq")
     (holder,) = holders(conn, schema, "hq")
     producer.publish("handed", routing_key="hq")
@@ -198,15 +210,9 @@ def test_no_hand_off_in_the_callers_transaction(
 ) -> None:
     """A publish inside ``lonnymq.transaction(conn)`` commits with the caller: its message is
     created ready (unlocked), as always, and delivered after the commit."""
-    consumer_conn = swept(make_connection())
-    (queue,) = declared(consumer_conn, "hq")
-    received = Received()
-    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    consumer_conn, received = consumer_of_hq(make_connection)
     producer = make_connection().Producer(serializer="json")
-    producer.publish("warm", routing_key="hq")
-    consumer_conn.drain_events(timeout=5)
-    with contextlib.suppress(TimeoutError):
-        consumer_conn.drain_events(timeout=0.3)
+    warm_then_idle(consumer_conn, producer)
     assert asleep_on(conn, schema, "hq")
     caller = connect()  # (autocommit: the block is one transaction, committed at its end)
     with lonnymq.transaction(caller):
@@ -326,10 +332,7 @@ def test_a_forged_hand_off_is_ignored(
 ) -> None:
     """Any role may NOTIFY: a payload on the session's channel without its secret (or not a
     hand-off at all) delivers nothing, and the consumer goes on."""
-    consumer_conn = swept(make_connection())
-    (queue,) = declared(consumer_conn, "hq")
-    received = Received()
-    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    consumer_conn, received = consumer_of_hq(make_connection)
     drive(consumer_conn, True)
     producer: Producer = make_connection().Producer(serializer="json")
     producer.publish("warm", routing_key="hq")
@@ -361,10 +364,7 @@ def test_handoff_off_wakes_and_dequeues(
 ) -> None:
     """With the transport option ``handoff=False`` nothing registers for hand-offs, and a
     woken consumer dequeues what woke it, as before version 21."""
-    consumer_conn = swept(make_connection(handoff=False))
-    (queue,) = declared(consumer_conn, "hq")
-    received = Received()
-    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    consumer_conn, received = consumer_of_hq(make_connection, handoff=False)
     drive(consumer_conn, False)
     producer = make_connection(handoff=False).Producer(serializer="json")
     producer.publish("warm", routing_key="hq")
@@ -385,10 +385,7 @@ def test_a_publisher_without_handoff_wakes_a_registered_consumer(
 ) -> None:
     """A registered consumer is still woken by a publish that does not hand off (a client of
     version 20, or ``handoff=False``): it sleeps on the queue's key as before."""
-    consumer_conn = swept(make_connection())
-    (queue,) = declared(consumer_conn, "hq")
-    received = Received()
-    consumer_conn.Consumer([queue], callbacks=[received], accept=["json"]).consume()
+    consumer_conn, received = consumer_of_hq(make_connection)
     drive(consumer_conn, True)
     producer = make_connection(handoff=False).Producer(serializer="json")
     producer.publish("warm", routing_key="hq")
