@@ -330,8 +330,8 @@ def test_a_forged_hand_off_is_ignored(
     connect: Callable[..., Conn],
     schema: str,
 ) -> None:
-    """Any role may NOTIFY: a payload on the session's channel without its secret (or not a
-    hand-off at all) delivers nothing, and the consumer goes on."""
+    """Any role may NOTIFY: a payload on the session's channel not signed with its secret
+    (or not a hand-off at all) delivers nothing, and the consumer goes on."""
     consumer_conn, received = consumer_of_hq(make_connection)
     drive(consumer_conn, True)
     producer: Producer = make_connection().Producer(serializer="json")
@@ -342,8 +342,10 @@ def test_a_forged_hand_off_is_ignored(
     forger = connect()
     channel = f"lonnymq_hand_{holder}"
     body = "eyJib2R5IjogImZvcmdlZCJ9"  # base64 of a JSON body
+    fields = f"99 00000000-0000-0000-0000-000000000001 0 0 inf 2 2 hqhq{body}"
     for payload in (
-        f"wrong-secret 99 00000000-0000-0000-0000-000000000001 0 0 2 2 hqhq{body}",
+        f"{'0' * 64} {fields}",  # not signed with the session's secret
+        f"\u00e9\u00e9 {fields}",  # (not even ASCII)
         "nonsense",
         "",
     ):
@@ -394,3 +396,62 @@ def test_a_publisher_without_handoff_wakes_a_registered_consumer(
     sent = time.monotonic()
     producer.publish("woken", routing_key="hq")
     assert received.wait("woken") - sent < 1.0
+
+
+def test_a_hand_off_read_after_its_lock_expired_is_not_delivered(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A consumer that reads its notifications late (a task of its own running, here: not
+    driven): its lock (two heartbeats and 30 s at most; here the 2 s visibility timeout) has
+    expired and another consumer took the message over. The late reader checks and drops it:
+    the message runs once."""
+    late, got_late = consumer_of_hq(make_connection, visibility_timeout=2)
+    producer = make_connection().Producer(serializer="json")
+    warm_then_idle(late, producer)
+    (holder,) = holders(conn, schema, "hq")
+    producer.publish("once", routing_key="hq")
+    ((_, token),) = locks(conn, schema, "hq")
+    assert handed_to(token, holder)
+    time.sleep(2.5)  # its lock expired
+    other, got_other = consumer_of_hq(make_connection, visibility_timeout=30)
+    other.drain_events(timeout=5)
+    assert got_other.order == ["once"]
+    with contextlib.suppress(TimeoutError):
+        late.drain_events(timeout=1)
+    assert got_late.order == ["warm"]
+    broker = lonnymq.Broker(schema)
+    wait_until(lambda: counters(broker, conn, "hq").acked == 2)
+    assert_consistent(conn, schema)
+
+
+def test_a_consumer_with_a_full_window_is_not_handed_anything(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    conn: Conn,
+    schema: str,
+) -> None:
+    """A consumer holding a full prefetch window releases its hand-off key (RabbitMQ sends
+    nothing past the prefetch count either): what is published meanwhile goes to the idle
+    consumer beside it, every time, and the full one is handed nothing."""
+    full = swept(make_connection())
+    (queue,) = declared(full, "hq")
+    held: list[Any] = []
+    full.Consumer(
+        [queue], callbacks=[lambda b, m: held.append((b, m))], accept=["json"], prefetch_count=1
+    ).consume()
+    drive(full, True)
+    wait_until(lambda: len(holders(conn, schema, "hq")) == 1)  # registered, asleep
+    settle(conn, schema, "hq")
+    producer = make_connection().Producer(serializer="json")
+    producer.publish("kept", routing_key="hq")  # (its window is full from now on)
+    wait_until(lambda: len(held) == 1)
+    idle, received = consumer_of_hq(make_connection)
+    drive(idle, True)
+    wait_until(lambda: len(holders(conn, schema, "hq")) == 2)
+    time.sleep(0.3)  # (the full one's look after its delivery released its key)
+    for i in range(8):
+        settle(conn, schema, "hq")
+        producer.publish(i, routing_key="hq")
+        received.wait(i)
+    assert [b for b, _ in held] == ["kept"]
+    held[0][1].ack()

@@ -189,8 +189,8 @@ def dequeue_op(
 
 
 _SLEEP: LiteralString = (
-    "SELECT {schema}.sleep_v2(%s::text[], %s::text[], %s::text[], %s::bigint, %s::text, "
-    "%s::bigint, %s::text[])"
+    "SELECT {schema}.sleep_v2(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+    "%s::bigint, %s::text, %s::bigint, %s::text[])"
 )
 
 
@@ -200,6 +200,8 @@ def sleep_op(
     drop: Sequence[str],
     check: Sequence[str],
     *,
+    hand_take: Sequence[str] = (),
+    hand_drop: Sequence[str] = (),
     holder: int | None = None,
     secret: str | None = None,
     lock_ms: int | None = None,
@@ -210,11 +212,15 @@ def sleep_op(
     of ``check`` that have a producer transaction open (it may have looked for sleepers
     before the key was taken: look again once it is gone). Look for messages again after a
     ``take`` and after a queue leaves that list. ``holder`` (schema version 21): the
-    session's own id for hand-offs (publishes then hand a message to it, locked for
-    ``lock_ms``, in a NOTIFY on ``lonnymq_hand_<holder>`` that carries ``secret``);
-    ``queues``: the queues it consumes, when they changed (None: unchanged)."""
+    session's own id for hand-offs: publishes to the queues of ``hand_take`` (until they are
+    in ``hand_drop``) then hand a message to it, locked for ``lock_ms``, in a NOTIFY on
+    ``lonnymq_hand_<holder>`` signed with ``secret``; ``queues``: the queues it consumes,
+    when they changed (None: unchanged; empty: it closes, see ``sleep_v2``)."""
     params = (
-        *([_checks.name(q, "queue") for q in names] for names in (take, drop, check)),
+        *(
+            [_checks.name(q, "queue") for q in names]
+            for names in (take, drop, check, hand_take, hand_drop)
+        ),
         holder,
         secret,
         lock_ms,

@@ -52,6 +52,11 @@ class Channel(TopologyChannel):
         self.retry_at: float | None = None
 
     @property
+    def has_room(self) -> bool:
+        """Its prefetch window can take one more message (hand-offs are welcome then)."""
+        return self._qos is None or not self.qos._window_full()
+
+    @property
     def acks_nothing(self) -> bool:
         """It consumes only without acks (Celery's pidbox, gossip, events, rpc replies)."""
         return set(self._active_queues) <= self._no_ack_queues

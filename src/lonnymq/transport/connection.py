@@ -352,6 +352,7 @@ class Waiter(_Forkable):
                 return set()
             try:
                 found = set()
+                woken: set[str] = set()  # (by something else than a hand-off)
                 for n in conn.notifies(timeout=0):
                     if self.handoffs is not None and n.channel == self.handoffs.channel:
                         handed = self.handoffs.receive(n.payload, queues)
@@ -362,13 +363,15 @@ class Waiter(_Forkable):
                         if queue in queues:
                             self._hint(queue, ident)
                             found.add(queue)
+                            woken.add(queue)
                     elif n.payload in queues:
                         found.add(n.payload)
+                        woken.add(n.payload)
                 with self._hints_lock:  # (those of queues no longer consumed go)
                     for queue in [q for q in self._hints if q not in queues]:
                         del self._hints[queue]
                 if self.handoffs is not None:
-                    self.handoffs.unconsumed(queues)
+                    self.handoffs.unconsumed(queues, woken)
                 return found
             except psycopg.Error as exc:
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)

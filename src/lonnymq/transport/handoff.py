@@ -17,12 +17,13 @@ would hand it messages. Any role may NOTIFY, so a payload without the secret is 
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
+import hashlib
 import hmac
 import logging
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Collection
 from datetime import datetime, timezone
@@ -43,7 +44,10 @@ _KEEPALIVES = (
     "set_config('tcp_keepalives_interval', '10', false), "
     "set_config('tcp_keepalives_count', '3', false)"
 )
-_WHO = "SELECT pg_backend_pid(), backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+_WHO = (
+    "SELECT pg_backend_pid(), backend_start, extract(epoch FROM clock_timestamp()) "
+    "FROM pg_stat_activity WHERE pid = pg_backend_pid()"
+)
 _END = (
     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s AND backend_start = %s"
 )
@@ -61,6 +65,11 @@ class Handoffs:
         self._handed: dict[str, list[Message]] = {}
         self._orphans: list[Message] = []
         self._backend: tuple[int, Any] | None = None  # (pid, start) of the last session
+        #: the server's clock less this process's (seconds, measured at the session's start)
+        self.offset = 0.0
+        #: when each message's lock expires, by the server's clock (epoch seconds)
+        self._until: dict[int, float] = {}
+        self._woken: set[str] = set()
         self._lock = threading.Lock()
 
     @property
@@ -74,7 +83,10 @@ class Handoffs:
         only: publishes would go on handing it messages), unless through a pooler (that
         server session may be another client's by now); keepalives asked for."""
         conn.execute(_KEEPALIVES)
+        before = time.time()
         row = conn.execute(_WHO).fetchone()
+        if row is not None:
+            self.offset = float(row[2]) - (before + time.time()) / 2
         old, self._backend = self._backend, None if row is None else (int(row[0]), row[1])
         if old is not None and not pooler.pooled(conn):
             with contextlib.suppress(psycopg.Error):  # (not ours to end: it stays)
@@ -84,11 +96,17 @@ class Handoffs:
     def receive(self, payload: str, queues: Collection[str]) -> str | None:
         """Keep a message handed to this session (``handoff_v1``'s payload); returns its
         queue when one of ``queues`` (those consumed). One for another queue is kept to be
-        released (:meth:`orphans`); one without this session's secret is dropped."""
+        released (:meth:`orphans`). Any role may NOTIFY: a payload that is not signed with
+        this session's secret, or not a hand-off at all, is dropped."""
         try:
-            secret, ident, token, prio, created, qlen, clen, rest = payload.split(" ", 7)
-            if not hmac.compare_digest(secret, self.secret):
-                raise ValueError("not this session's secret")
+            mac, _, body = payload.partition(" ")
+            key = self.secret.encode()
+            inner = hashlib.sha256(key + body.encode()).digest()
+            if not hmac.compare_digest(
+                mac.encode(), hashlib.sha256(key + inner).hexdigest().encode()
+            ):
+                raise ValueError("not signed with this session's secret")
+            ident, token, prio, created, until, qlen, clen, rest = body.split(" ", 7)
             end = int(qlen) + int(clen)
             message = Message(
                 schema=self.schema,
@@ -103,21 +121,57 @@ class Handoffs:
                 content=base64.b64decode(rest[end:], validate=True),
                 state=None,
             )
-        except (ValueError, binascii.Error) as exc:
+            locked_until = float(until)
+        except Exception as exc:  # (whatever it was, it is not one of ours)
             logger.debug("lonnymq: hand-off %.80r ignored (%s)", payload, exc)
             return None
         with self._lock:
+            self._until[message.id] = locked_until
             if message.queue in queues:
                 self._handed.setdefault(message.queue, []).append(message)
                 return message.queue
             self._orphans.append(message)
             return None
 
-    def unconsumed(self, queues: Collection[str]) -> None:
-        """Those of queues not among ``queues`` (no longer consumed) become orphans."""
+    def late(self, messages: list[Message], margin: float) -> list[Message]:
+        """Those of ``messages`` whose lock expires within ``margin`` seconds, or has
+        expired, by the server's clock: read late (another consumer may have them by now),
+        to be checked before they are delivered."""
+        now = time.time() + self.offset
+        with self._lock:
+            return [m for m in messages if self._until.get(m.id, 0.0) - now < margin]
+
+    def extended(self, ids: Collection[int], seconds: float) -> None:
+        """Their locks were extended by ``seconds`` from now (the heartbeat, a check)."""
+        until = time.time() + self.offset + seconds
+        with self._lock:
+            for ident in ids:
+                if ident in self._until:
+                    self._until[ident] = until
+
+    def done(self, messages: Collection[Message]) -> None:
+        """Forget the lock expiry of messages delivered or released."""
+        with self._lock:
+            for message in messages:
+                self._until.pop(message.id, None)
+
+    def unconsumed(self, queues: Collection[str], woken: Collection[str] = ()) -> None:
+        """After a read of notifications: those of queues not among ``queues`` (no longer
+        consumed) become orphans; ``woken``, queues that a notification other than a
+        hand-off named (see :meth:`woken_by_others`)."""
         with self._lock:
             for queue in [q for q in self._handed if q not in queues]:
                 self._orphans.extend(self._handed.pop(queue))
+            self._woken.update(woken)
+
+    def woken_by_others(self, queues: Collection[str]) -> bool:
+        """Whether a plain NOTIFY or a hint named one of ``queues`` since the last call for
+        them: then something else than what was handed waits (a hand-off sends neither), and
+        a delivery of what was handed did not take all there was."""
+        with self._lock:
+            found = not self._woken.isdisjoint(queues)
+            self._woken.difference_update(queues)
+            return found
 
     def take(self, queues: Collection[str]) -> list[Message]:
         """Take the messages handed for ``queues``, by id (locked for this consumer: deliver

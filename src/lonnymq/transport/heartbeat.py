@@ -64,10 +64,14 @@ class Heartbeat(threading.Thread):
             if getattr(channel, "_qos", None) is not None:
                 held.extend(channel.qos.held())
         # handed to it, and not delivered yet (a full prefetch window)
-        held.extend((m.id, m.lock_token) for m in transport.waiter.pending(take=False))
+        handoffs = transport.waiter.handoffs
+        waiting = [] if handoffs is None else handoffs.pending(take=False)
+        held.extend((m.id, m.lock_token) for m in waiting)
         if held:
             op = heartbeat_op(transport.options.schema, held, lock_ms=transport.options.lock_ms)
             kept = transport.pg.run(transport.consumer_op(op))
+            if handoffs is not None and waiting:
+                handoffs.extended(kept, transport.options.lock_ms / 1000)
             lost = [ref[0] for ref in held if ref[0] not in kept]
             if lost:
                 logger.warning(

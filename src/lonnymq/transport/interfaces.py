@@ -73,6 +73,10 @@ class ChannelLike(Protocol):
     retry_at: float | None
 
     @property
+    def has_room(self) -> bool:
+        """Its prefetch window can take one more message."""
+
+    @property
     def acks_nothing(self) -> bool:
         """It consumes only without acks."""
 

@@ -9,7 +9,9 @@ import logging
 import time
 
 from ..exceptions import LonnyMQError
-from ..queue.dequeue import DequeueResult
+from ..queue.dequeue import DequeueResult, Message
+from ..queue.finalize import heartbeat_op
+from .handoff import Handoffs
 from .interfaces import ChannelLike, Delivery, Job, TransportLike
 from .sleep import Wanted, sooner
 
@@ -142,3 +144,48 @@ def deliver_in_order(accepted: list[tuple[ChannelLike, list[Delivery]]]) -> int:
     finally:
         acks.delivering(False)
     return delivered
+
+
+def deliverable(
+    transport: TransportLike, handoffs: Handoffs, queues: list[str], limit: int, *, idle: bool
+) -> DequeueResult | None:
+    """What a fetch of ``queues`` (room for ``limit``) delivers of what was handed, instead
+    of a dequeue (None: nothing; then it dequeues). What the window has no room for and the
+    orphans go back at once (the acks wait for the next round trip). Settled (the channel
+    sleeps again, see ``Channel.accept``) when it was idle and nothing but hand-offs named
+    its queues since: a NOTIFY or a hint means something else waits."""
+    others = handoffs.woken_by_others(queues)
+    _release(transport, handoffs, handoffs.orphans())
+    handed = handoffs.take(queues)
+    if not handed:
+        return None
+    _release(transport, handoffs, handed[limit:])
+    handed = _still_held(transport, handoffs, handed[:limit])
+    return DequeueResult(handed, settled=idle and not others) if handed else None
+
+
+def _release(transport: TransportLike, handoffs: Handoffs, messages: list[Message]) -> None:
+    handoffs.done(messages)
+    transport.release((m.id, m.lock_token) for m in messages)
+
+
+def _still_held(
+    transport: TransportLike, handoffs: Handoffs, messages: list[Message]
+) -> list[Message]:
+    """``messages``, less those read so late that their lock expired and another consumer
+    may have them: those are checked first, their locks extended when still this
+    consumer's (a heartbeat), and dropped when not."""
+    options = transport.options
+    late = handoffs.late(messages, min(30.0, options.handoff_lock_ms / 3000))
+    handoffs.done(messages)
+    if not late:
+        return messages
+    op = heartbeat_op(options.schema, [(m.id, m.lock_token) for m in late], lock_ms=options.lock_ms)
+    kept = transport.pg.run(transport.consumer_op(op))
+    gone = {m.id for m in late if m.id not in kept}
+    if gone:
+        logger.warning(
+            "lonnymq: hand-off of message(s) %s read after its lock expired: not delivered",
+            sorted(gone)[:10],
+        )
+    return [m for m in messages if m.id not in gone]

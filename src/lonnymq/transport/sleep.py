@@ -68,6 +68,9 @@ class Consuming(Protocol):
     @property
     def retry_at(self) -> float | None: ...
 
+    @property
+    def has_room(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Change:
@@ -78,6 +81,10 @@ class Change:
     drop: tuple[str, ...]
     check: tuple[str, ...]
     consumed: frozenset[str]
+    #: the hand-off keys (``asleep <holder>``) to take and to release: held for the queues
+    #: of channels asleep with room in their prefetch window (see :mod:`.handoff`)
+    hand_take: tuple[str, ...] = ()
+    hand_drop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,6 +148,8 @@ class SleepKeys:
         #: the queues its sleeper row names (hand-offs; None: none written on this session)
         self.registered: frozenset[str] | None = None
         self.held: set[str] = set()
+        #: queues whose hand-off key this session holds
+        self.handing: set[str] = set()
         #: queues checked with a producer transaction open
         self.unsettled: set[str] = set()
         self._session: int | None = None
@@ -152,12 +161,15 @@ class SleepKeys:
         if session != self._session:  # a new session holds nothing yet
             self.held.clear()
             self.unsettled.clear()
+            self.handing.clear()
             self.registered = None
             self._session = session
         if session is None:
             return None
         idle: set[str] = set()
         busy: set[str] = set()
+        roomy: set[str] = set()  # (of idle channels with room: hand-offs welcome)
+        full: set[str] = set()
         consumed: set[str] = set()
         for channel in channels:
             if channel.closed or not channel._consumers:
@@ -168,13 +180,28 @@ class SleepKeys:
                 idle.update(queues)
             elif channel.busy_rounds >= 2:
                 busy.update(queues)
+            (roomy if channel.idle and channel.has_room else full).update(queues)
         take = idle - self.held
         drop = {q for q in self.held if q not in consumed or (q in busy and q not in idle)}
         check = (take | self.unsettled) & idle
-        if not (take or drop or check):
+        handing = (roomy - full) & (self.held | take) - drop if self.waiter.handoffs else set()
+        hand_take, hand_drop = handing - self.handing, self.handing - handing
+        if not (take or drop or check or hand_take or hand_drop):
             return None
         return Change(
-            tuple(sorted(take)), tuple(sorted(drop)), tuple(sorted(check)), frozenset(consumed)
+            tuple(sorted(take)),
+            tuple(sorted(drop)),
+            tuple(sorted(check)),
+            frozenset(consumed),
+            tuple(sorted(hand_take)),
+            tuple(sorted(hand_drop)),
+        )
+
+    def closing(self) -> Change:
+        """The change that releases every key and the hand-off registration (the consumer
+        closes: see ``sleep_v2``)."""
+        return Change(
+            (), tuple(sorted(self.held)), (), frozenset(), (), tuple(sorted(self.handing))
         )
 
     def asleep(self, channel: Consuming, now: float | None = None) -> bool:
@@ -206,6 +233,8 @@ class SleepKeys:
             change.take,
             change.drop,
             change.check,
+            hand_take=change.hand_take if holder is not None else (),
+            hand_drop=change.hand_drop if holder is not None else (),
             holder=holder,
             secret=None if handoffs is None or holder is None else handoffs.secret,
             lock_ms=None if holder is None else self.handoff_lock_ms,
@@ -215,10 +244,14 @@ class SleepKeys:
         if done is None:  # the session failed: its keys went with it
             self.held.clear()
             self.unsettled.clear()
+            self.handing.clear()
             self.registered = None
             return Settled(change.consumed, None)
         if queues is not None:
             self.registered = change.consumed
+        if holder is not None:
+            self.handing.update(change.hand_take)
+            self.handing.difference_update(change.hand_drop)
         still_open, notified = done
         self.held.update(change.take)
         self.held.difference_update(change.drop)

@@ -152,15 +152,11 @@ class Transport(virtual.Transport):
         (their ids came with the NOTIFY) are then taken by their ids when nothing else of its
         queues waits (``message_dequeue_hinted_v1``). A busy channel's hints are dropped."""
         waiter = self._waiter
-        if waiter is not None:
-            self.release((m.id, m.lock_token) for m in waiter.orphans())
-            handed = waiter.handed(queues)
-            if handed:
-                # handed by their publishes, locked for this consumer (see
-                # docs/design.md, "The hand-off"): no round trip; what the window has no
-                # room for goes back (the acks wait for the next one)
-                self.release((m.id, m.lock_token) for m in handed[limit:])
-                return DequeueResult(handed[:limit], settled=idle)
+        handoffs = None if waiter is None else waiter.handoffs
+        if handoffs is not None:  # (what publishes handed it: no round trip)
+            handed = rounds.deliverable(self, handoffs, queues, limit, idle=idle)
+            if handed is not None:
+                return handed
         hints = waiter.hints(queues) if waiter is not None else []
         acks = self.acks.take()
         try:
@@ -284,6 +280,9 @@ class Transport(virtual.Transport):
                 self._heartbeat = None
             if self._waiter is not None:
                 with contextlib.suppress(LonnyMQError):  # else their locks expire
+                    if self._sleep is not None and self._waiter.handoffs is not None:
+                        # (no hand-off from now on, and those being made are committed)
+                        self._sleep.apply(self._sleep.closing())
                     self._waiter.notified(())  # (those arrived and unread: orphans now)
                     self.release((m.id, m.lock_token) for m in self._waiter.pending())
                 self._waiter.dispose()

@@ -18,8 +18,8 @@
 -- Transports that take messages handed to them by a publish (schema version 21; see
 -- handoff_v1): one row per LISTEN session, written when the queues it consumes change. holder:
 -- random, its own; the session holds the key 'holder' of it while it lives, and the key
--- 'asleep <holder>' of each queue it sleeps on. secret: sent back with each hand-off (any
--- role may NOTIFY; only the schema's owner reads this table).
+-- 'asleep <holder>' of each queue it sleeps on with room. secret: signs each hand-off (any
+-- role may NOTIFY; the owner and admin roles read this table).
 CREATE TABLE {schema}.sleeper (
     holder bigint PRIMARY KEY,
     queues text[] COLLATE "C" NOT NULL,
@@ -29,15 +29,18 @@ CREATE TABLE {schema}.sleeper (
 );
 
 -- sleep_v1, and the hand-off's registration (schema version 21; see handoff_v1): p_holder,
--- this LISTEN session's own random id (NULL: no hand-off, as sleep_v1). Its key 'holder' is
--- taken once, and the key 'asleep <holder>' of a queue is held (session lock) while the
--- queue's `sleep` key is, so that a publish hands a message only to a session asleep on its
--- queue, and to no session that is gone. p_queues (NULL: unchanged): the queues the session
--- consumes, written to its sleeper row with p_secret and p_lock_ms; rows of sessions that
--- are gone and consumed some of them are deleted then.
+-- this LISTEN session's own random id (NULL: no hand-off, as sleep_v1), whose key 'holder'
+-- the session holds while it lives (taken at its first call; a call for a holder another
+-- session holds fails). It holds the key 'asleep <holder>' of the queues of p_hand_take until
+-- they are in p_hand_drop: those of its channels asleep with room in their prefetch window,
+-- so that a publish hands a message only to a session that can take it, and to no session
+-- that is gone. p_queues (NULL: unchanged): the queues it consumes, written to its sleeper
+-- row with p_secret and p_lock_ms; rows of sessions that are gone are deleted then. An empty
+-- p_queues (the consumer closes): its row is deleted, and the call waits for the
+-- transactions handing it a message to end (their NOTIFYs are then there to be read).
 CREATE FUNCTION {schema}.sleep_v2(
-    p_take text[], p_drop text[], p_check text[], p_holder bigint, p_secret text,
-    p_lock_ms bigint, p_queues text[]
+    p_take text[], p_drop text[], p_check text[], p_hand_take text[], p_hand_drop text[],
+    p_holder bigint, p_secret text, p_lock_ms bigint, p_queues text[]
 ) RETURNS text[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -45,13 +48,20 @@ DECLARE
 BEGIN
     IF p_holder IS NOT NULL THEN
         v_key := {schema}.queue_key_v1('holder', p_holder::text);
-        IF current_setting('lonnymq.holder', true) IS DISTINCT FROM p_holder::text THEN
-            PERFORM pg_advisory_lock(v_key);
-            PERFORM set_config('lonnymq.holder', p_holder::text, false);
+        IF NOT pg_try_advisory_lock(v_key) THEN
+            RAISE EXCEPTION 'hand-off holder % is another session''s', p_holder
+                USING ERRCODE = 'lock_not_available';
         END IF;
+        IF current_setting('lonnymq.holder', true) IS NOT DISTINCT FROM p_holder::text THEN
+            PERFORM pg_advisory_unlock(v_key);  -- (held once, since its first call)
+        END IF;
+        PERFORM set_config('lonnymq.holder', p_holder::text, false);
         PERFORM pg_advisory_unlock({schema}.queue_key_v1('asleep ' || p_holder, d.q))
-        FROM (SELECT DISTINCT u.q FROM unnest(p_drop) AS u(q) ORDER BY u.q) AS d;
-        IF p_queues IS NOT NULL THEN
+        FROM (SELECT DISTINCT u.q FROM unnest(p_hand_drop) AS u(q) ORDER BY u.q) AS d;
+        IF cardinality(p_queues) = 0 THEN
+            DELETE FROM {schema}.sleeper s WHERE s.holder = p_holder;
+            PERFORM pg_advisory_xact_lock({schema}.queue_key_v1('handoff', p_holder::text));
+        ELSIF p_queues IS NOT NULL THEN
             INSERT INTO {schema}.sleeper (holder, queues, secret, lock_ms)
             VALUES (p_holder, p_queues, p_secret, p_lock_ms)
             ON CONFLICT (holder) DO UPDATE SET queues = excluded.queues,
@@ -60,7 +70,7 @@ BEGIN
             DELETE FROM {schema}.sleeper s
             WHERE s.holder IN (
                 SELECT g.holder FROM {schema}.sleeper g
-                WHERE g.holder <> p_holder AND g.queues && p_queues
+                WHERE g.holder <> p_holder
                   AND NOT {schema}.key_held_v1({schema}.queue_key_v1('holder', g.holder::text))
                 FOR UPDATE SKIP LOCKED);
         END IF;
@@ -71,7 +81,7 @@ BEGIN
     FROM (SELECT DISTINCT u.q FROM unnest(p_take) AS u(q) ORDER BY u.q) AS t;
     IF p_holder IS NOT NULL THEN
         PERFORM pg_advisory_lock({schema}.queue_key_v1('asleep ' || p_holder, t.q))
-        FROM (SELECT DISTINCT u.q FROM unnest(p_take) AS u(q) ORDER BY u.q) AS t;
+        FROM (SELECT DISTINCT u.q FROM unnest(p_hand_take) AS u(q) ORDER BY u.q) AS t;
     END IF;
     RETURN ARRAY(SELECT DISTINCT c.q FROM unnest(p_check) AS c(q)
                  WHERE NOT {schema}.queue_idle_v1(c.q) ORDER BY c.q);
@@ -95,20 +105,24 @@ $$;
 -- message_create_v1 in a publish that commits at once (message_publish_v2's p_handoff).
 -- RabbitMQ pushes a message to its consumer; here the consumer used to be woken by a NOTIFY
 -- and then dequeue it, a round trip after the commit. When a transport's LISTEN session
--- sleeps on the queue (it holds the key 'asleep <holder>' of it, see sleep_v2) and no other
--- transaction is handing it a message (the key 'handoff' of its holder, taken here until the
--- commit), the message is created locked for it (as a take would lock it: attempts 1, its
--- lock_ms; the lock token starts with the holder's id) and sent whole in a NOTIFY on its
--- channel lonnymq_hand_<holder>: '<secret> <id> <lock token> <priority> <created at, epoch
--- seconds> <queue length> <channel length> <queue><channel><content, base64>'. Only the first
--- create of a transaction to hint or hand (as wake_v2's hint), for a channel without a limit
--- (no max_concurrency, no rate, its own or the queue's), when nothing of the queue waits that
--- the round robin would serve first (the hinted take's rules, see message_dequeue_hinted_v1):
--- nothing of it that no ingest has seen (of fewer than 64 such rows, of every queue), the
--- queue in the ingest's state without heads pending, no slot of a limited channel of it freed
--- since, no lane of it due and no lock of it past its expiry. Its creation and delivery are
--- tallied as the take's. Returns the message's id, or NULL when it was not handed (then it is
--- created as usual). Three statements: what a publish's round trip pays when cold.
+-- sleeps on the queue with room to take it (it holds the key 'asleep <holder>' of it, see
+-- sleep_v2) and no other transaction is handing it a message (the key 'handoff' of its
+-- holder, taken here until the commit), the message is created locked for it (as a take
+-- would lock it: attempts 1, its lock_ms; the lock token starts with the holder's id) and
+-- sent whole in a NOTIFY on its channel lonnymq_hand_<holder>: '<mac> <id> <lock token>
+-- <priority> <created at> <locked until> <queue length> <channel length>
+-- <queue><channel><content, base64>', times in epoch seconds, mac the hex of
+-- sha256(secret || sha256(secret || the rest after its space)): any role may NOTIFY, and
+-- may LISTEN on a channel it knows the name of, so the secret is not sent. Only the first
+-- create of a transaction to hint or hand (as wake_v2's hint), when the payload fits a
+-- NOTIFY, for a channel without a limit (no max_concurrency, no rate, its own or the
+-- queue's), when nothing of the queue waits that the round robin would serve first (the
+-- hinted take's rules, see message_dequeue_hinted_v1): nothing of it that no ingest has seen
+-- (of fewer than 64 such rows, of every queue), the queue in the ingest's state without heads
+-- pending, no slot of a limited channel of it freed since, no lane of it due and no lock of
+-- it past its expiry. Its creation and delivery are tallied as the take's. Returns the
+-- message's id, or NULL when it was not handed (then it is created as usual). Three
+-- statements: what a publish's round trip pays when cold.
 CREATE FUNCTION {schema}.handoff_v1(
     p_queue text, p_channel text, p_content bytea, p_priority integer, p_ttl_ms bigint
 ) RETURNS bigint
@@ -166,10 +180,11 @@ BEGIN
     SELECT s.* INTO v_to
     FROM (SELECT s.* FROM quiet, {schema}.sleeper s WHERE p_queue = ANY (s.queues)
           ORDER BY random()) AS s
-    WHERE NOT CASE WHEN pg_try_advisory_lock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
-                   THEN pg_advisory_unlock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
-                   ELSE false END
-      AND pg_try_advisory_xact_lock({schema}.queue_key_v1('handoff', s.holder::text))
+    WHERE CASE WHEN pg_try_advisory_lock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
+               THEN NOT pg_advisory_unlock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
+               -- (asleep: then, and only then, its 'handoff' key)
+               ELSE pg_try_advisory_xact_lock({schema}.queue_key_v1('handoff', s.holder::text))
+          END
     LIMIT 1;
     IF v_to.holder IS NULL THEN
         RETURN NULL;
@@ -189,13 +204,18 @@ BEGIN
     )
     SELECT m.id INTO v_id
     FROM made m,
+         LATERAL (SELECT concat_ws(' ', m.id, m.lock_token, p_priority,
+                                   extract(epoch FROM m.created_at),
+                                   extract(epoch FROM m.locked_until), length(p_queue),
+                                   length(p_channel))
+                         || ' ' || p_queue || p_channel
+                         || translate(encode(p_content, 'base64'), E'\n', '') AS body) AS b,
          LATERAL (SELECT set_config('lonnymq.hinted', 'on', true),
                          pg_notify('lonnymq_hand_' || v_to.holder,
-                                   concat_ws(' ', v_to.secret, m.id, m.lock_token, p_priority,
-                                             extract(epoch FROM m.created_at), length(p_queue),
-                                             length(p_channel))
-                                   || ' ' || p_queue || p_channel
-                                   || translate(encode(p_content, 'base64'), E'\n', ''))) AS n;
+                                   encode(sha256(convert_to(v_to.secret, 'UTF8')
+                                                 || sha256(convert_to(v_to.secret || b.body,
+                                                                      'UTF8'))), 'hex')
+                                   || ' ' || b.body)) AS n;
     RETURN v_id;
 END;
 $$;
@@ -244,8 +264,11 @@ BEGIN
     END IF;
     -- (schema version 21) in a publish that commits at once, a message due now may be handed
     -- to a consumer asleep on the queue (handoff_v1)
-    IF p_name IS NULL AND coalesce(p_delay_ms, 0) <= 0 AND octet_length(p_content) <= 4800
-       AND current_setting('lonnymq.handoff', true) = 'on' THEN
+    IF p_name IS NULL AND coalesce(p_delay_ms, 0) <= 0
+       AND current_setting('lonnymq.handoff', true) = 'on'
+       -- (what fits a NOTIFY's 8,000 bytes with the rest of the payload, base64)
+       AND octet_length(p_content) <= 4800
+       AND octet_length(p_queue) + octet_length(p_channel) <= 1200 THEN
         message_id := {schema}.handoff_v1(p_queue, p_channel, p_content, p_priority, p_ttl_ms);
         IF message_id IS NOT NULL THEN
             result_code := 'created';
@@ -322,11 +345,11 @@ $$;
 -- and a fixed search_path; so do the new entry points.
 ALTER FUNCTION {schema}.message_create_v1(text, text, text, bytea, integer, bigint, bigint)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-ALTER FUNCTION {schema}.sleep_v2(text[], text[], text[], bigint, text, bigint, text[])
+ALTER FUNCTION {schema}.sleep_v2(text[], text[], text[], text[], text[], bigint, text, bigint, text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 ALTER FUNCTION {schema}.message_publish_v2(text, text, text, text, bytea, integer, bigint, bigint, boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
-REVOKE ALL ON FUNCTION {schema}.sleep_v2(text[], text[], text[], bigint, text, bigint, text[])
+REVOKE ALL ON FUNCTION {schema}.sleep_v2(text[], text[], text[], text[], text[], bigint, text, bigint, text[])
     FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.message_publish_v2(text, text, text, text, bytea, integer, bigint, bigint, boolean)
     FROM PUBLIC;
@@ -349,7 +372,7 @@ BEGIN
         EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %s',
             CASE r.proname
                 WHEN 'message_publish_v1' THEN '{schema}.message_publish_v2(text, text, text, text, bytea, integer, bigint, bigint, boolean)'::regprocedure
-                ELSE '{schema}.sleep_v2(text[], text[], text[], bigint, text, bigint, text[])'::regprocedure
+                ELSE '{schema}.sleep_v2(text[], text[], text[], text[], text[], bigint, text, bigint, text[])'::regprocedure
             END, r.role);
     END LOOP;
 END;

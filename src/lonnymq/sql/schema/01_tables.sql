@@ -348,8 +348,8 @@ CREATE INDEX queue_gone_at_idx ON {schema}.queue_gone (gone_at);
 -- Transports that take messages handed to them by a publish (schema version 21; see
 -- handoff_v1): one row per LISTEN session, written when the queues it consumes change. holder:
 -- random, its own; the session holds the key 'holder' of it while it lives, and the key
--- 'asleep <holder>' of each queue it sleeps on. secret: sent back with each hand-off (any
--- role may NOTIFY; only the schema's owner reads this table).
+-- 'asleep <holder>' of each queue it sleeps on with room. secret: signs each hand-off (any
+-- role may NOTIFY; the owner and admin roles read this table).
 CREATE TABLE {schema}.sleeper (
     holder bigint PRIMARY KEY,
     queues text[] COLLATE "C" NOT NULL,

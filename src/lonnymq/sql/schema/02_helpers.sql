@@ -83,15 +83,18 @@ END;
 $$;
 
 -- sleep_v1, and the hand-off's registration (schema version 21; see handoff_v1): p_holder,
--- this LISTEN session's own random id (NULL: no hand-off, as sleep_v1). Its key 'holder' is
--- taken once, and the key 'asleep <holder>' of a queue is held (session lock) while the
--- queue's `sleep` key is, so that a publish hands a message only to a session asleep on its
--- queue, and to no session that is gone. p_queues (NULL: unchanged): the queues the session
--- consumes, written to its sleeper row with p_secret and p_lock_ms; rows of sessions that
--- are gone and consumed some of them are deleted then.
+-- this LISTEN session's own random id (NULL: no hand-off, as sleep_v1), whose key 'holder'
+-- the session holds while it lives (taken at its first call; a call for a holder another
+-- session holds fails). It holds the key 'asleep <holder>' of the queues of p_hand_take until
+-- they are in p_hand_drop: those of its channels asleep with room in their prefetch window,
+-- so that a publish hands a message only to a session that can take it, and to no session
+-- that is gone. p_queues (NULL: unchanged): the queues it consumes, written to its sleeper
+-- row with p_secret and p_lock_ms; rows of sessions that are gone are deleted then. An empty
+-- p_queues (the consumer closes): its row is deleted, and the call waits for the
+-- transactions handing it a message to end (their NOTIFYs are then there to be read).
 CREATE FUNCTION {schema}.sleep_v2(
-    p_take text[], p_drop text[], p_check text[], p_holder bigint, p_secret text,
-    p_lock_ms bigint, p_queues text[]
+    p_take text[], p_drop text[], p_check text[], p_hand_take text[], p_hand_drop text[],
+    p_holder bigint, p_secret text, p_lock_ms bigint, p_queues text[]
 ) RETURNS text[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -99,13 +102,20 @@ DECLARE
 BEGIN
     IF p_holder IS NOT NULL THEN
         v_key := {schema}.queue_key_v1('holder', p_holder::text);
-        IF current_setting('lonnymq.holder', true) IS DISTINCT FROM p_holder::text THEN
-            PERFORM pg_advisory_lock(v_key);
-            PERFORM set_config('lonnymq.holder', p_holder::text, false);
+        IF NOT pg_try_advisory_lock(v_key) THEN
+            RAISE EXCEPTION 'hand-off holder % is another session''s', p_holder
+                USING ERRCODE = 'lock_not_available';
         END IF;
+        IF current_setting('lonnymq.holder', true) IS NOT DISTINCT FROM p_holder::text THEN
+            PERFORM pg_advisory_unlock(v_key);  -- (held once, since its first call)
+        END IF;
+        PERFORM set_config('lonnymq.holder', p_holder::text, false);
         PERFORM pg_advisory_unlock({schema}.queue_key_v1('asleep ' || p_holder, d.q))
-        FROM (SELECT DISTINCT u.q FROM unnest(p_drop) AS u(q) ORDER BY u.q) AS d;
-        IF p_queues IS NOT NULL THEN
+        FROM (SELECT DISTINCT u.q FROM unnest(p_hand_drop) AS u(q) ORDER BY u.q) AS d;
+        IF cardinality(p_queues) = 0 THEN
+            DELETE FROM {schema}.sleeper s WHERE s.holder = p_holder;
+            PERFORM pg_advisory_xact_lock({schema}.queue_key_v1('handoff', p_holder::text));
+        ELSIF p_queues IS NOT NULL THEN
             INSERT INTO {schema}.sleeper (holder, queues, secret, lock_ms)
             VALUES (p_holder, p_queues, p_secret, p_lock_ms)
             ON CONFLICT (holder) DO UPDATE SET queues = excluded.queues,
@@ -114,7 +124,7 @@ BEGIN
             DELETE FROM {schema}.sleeper s
             WHERE s.holder IN (
                 SELECT g.holder FROM {schema}.sleeper g
-                WHERE g.holder <> p_holder AND g.queues && p_queues
+                WHERE g.holder <> p_holder
                   AND NOT {schema}.key_held_v1({schema}.queue_key_v1('holder', g.holder::text))
                 FOR UPDATE SKIP LOCKED);
         END IF;
@@ -125,7 +135,7 @@ BEGIN
     FROM (SELECT DISTINCT u.q FROM unnest(p_take) AS u(q) ORDER BY u.q) AS t;
     IF p_holder IS NOT NULL THEN
         PERFORM pg_advisory_lock({schema}.queue_key_v1('asleep ' || p_holder, t.q))
-        FROM (SELECT DISTINCT u.q FROM unnest(p_take) AS u(q) ORDER BY u.q) AS t;
+        FROM (SELECT DISTINCT u.q FROM unnest(p_hand_take) AS u(q) ORDER BY u.q) AS t;
     END IF;
     RETURN ARRAY(SELECT DISTINCT c.q FROM unnest(p_check) AS c(q)
                  WHERE NOT {schema}.queue_idle_v1(c.q) ORDER BY c.q);

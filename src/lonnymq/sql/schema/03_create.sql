@@ -75,20 +75,24 @@ $$;
 -- message_create_v1 in a publish that commits at once (message_publish_v2's p_handoff).
 -- RabbitMQ pushes a message to its consumer; here the consumer used to be woken by a NOTIFY
 -- and then dequeue it, a round trip after the commit. When a transport's LISTEN session
--- sleeps on the queue (it holds the key 'asleep <holder>' of it, see sleep_v2) and no other
--- transaction is handing it a message (the key 'handoff' of its holder, taken here until the
--- commit), the message is created locked for it (as a take would lock it: attempts 1, its
--- lock_ms; the lock token starts with the holder's id) and sent whole in a NOTIFY on its
--- channel lonnymq_hand_<holder>: '<secret> <id> <lock token> <priority> <created at, epoch
--- seconds> <queue length> <channel length> <queue><channel><content, base64>'. Only the first
--- create of a transaction to hint or hand (as wake_v2's hint), for a channel without a limit
--- (no max_concurrency, no rate, its own or the queue's), when nothing of the queue waits that
--- the round robin would serve first (the hinted take's rules, see message_dequeue_hinted_v1):
--- nothing of it that no ingest has seen (of fewer than 64 such rows, of every queue), the
--- queue in the ingest's state without heads pending, no slot of a limited channel of it freed
--- since, no lane of it due and no lock of it past its expiry. Its creation and delivery are
--- tallied as the take's. Returns the message's id, or NULL when it was not handed (then it is
--- created as usual). Three statements: what a publish's round trip pays when cold.
+-- sleeps on the queue with room to take it (it holds the key 'asleep <holder>' of it, see
+-- sleep_v2) and no other transaction is handing it a message (the key 'handoff' of its
+-- holder, taken here until the commit), the message is created locked for it (as a take
+-- would lock it: attempts 1, its lock_ms; the lock token starts with the holder's id) and
+-- sent whole in a NOTIFY on its channel lonnymq_hand_<holder>: '<mac> <id> <lock token>
+-- <priority> <created at> <locked until> <queue length> <channel length>
+-- <queue><channel><content, base64>', times in epoch seconds, mac the hex of
+-- sha256(secret || sha256(secret || the rest after its space)): any role may NOTIFY, and
+-- may LISTEN on a channel it knows the name of, so the secret is not sent. Only the first
+-- create of a transaction to hint or hand (as wake_v2's hint), when the payload fits a
+-- NOTIFY, for a channel without a limit (no max_concurrency, no rate, its own or the
+-- queue's), when nothing of the queue waits that the round robin would serve first (the
+-- hinted take's rules, see message_dequeue_hinted_v1): nothing of it that no ingest has seen
+-- (of fewer than 64 such rows, of every queue), the queue in the ingest's state without heads
+-- pending, no slot of a limited channel of it freed since, no lane of it due and no lock of
+-- it past its expiry. Its creation and delivery are tallied as the take's. Returns the
+-- message's id, or NULL when it was not handed (then it is created as usual). Three
+-- statements: what a publish's round trip pays when cold.
 CREATE FUNCTION {schema}.handoff_v1(
     p_queue text, p_channel text, p_content bytea, p_priority integer, p_ttl_ms bigint
 ) RETURNS bigint
@@ -146,10 +150,11 @@ BEGIN
     SELECT s.* INTO v_to
     FROM (SELECT s.* FROM quiet, {schema}.sleeper s WHERE p_queue = ANY (s.queues)
           ORDER BY random()) AS s
-    WHERE NOT CASE WHEN pg_try_advisory_lock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
-                   THEN pg_advisory_unlock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
-                   ELSE false END
-      AND pg_try_advisory_xact_lock({schema}.queue_key_v1('handoff', s.holder::text))
+    WHERE CASE WHEN pg_try_advisory_lock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
+               THEN NOT pg_advisory_unlock({schema}.queue_key_v1('asleep ' || s.holder, p_queue))
+               -- (asleep: then, and only then, its 'handoff' key)
+               ELSE pg_try_advisory_xact_lock({schema}.queue_key_v1('handoff', s.holder::text))
+          END
     LIMIT 1;
     IF v_to.holder IS NULL THEN
         RETURN NULL;
@@ -169,13 +174,18 @@ BEGIN
     )
     SELECT m.id INTO v_id
     FROM made m,
+         LATERAL (SELECT concat_ws(' ', m.id, m.lock_token, p_priority,
+                                   extract(epoch FROM m.created_at),
+                                   extract(epoch FROM m.locked_until), length(p_queue),
+                                   length(p_channel))
+                         || ' ' || p_queue || p_channel
+                         || translate(encode(p_content, 'base64'), E'\n', '') AS body) AS b,
          LATERAL (SELECT set_config('lonnymq.hinted', 'on', true),
                          pg_notify('lonnymq_hand_' || v_to.holder,
-                                   concat_ws(' ', v_to.secret, m.id, m.lock_token, p_priority,
-                                             extract(epoch FROM m.created_at), length(p_queue),
-                                             length(p_channel))
-                                   || ' ' || p_queue || p_channel
-                                   || translate(encode(p_content, 'base64'), E'\n', ''))) AS n;
+                                   encode(sha256(convert_to(v_to.secret, 'UTF8')
+                                                 || sha256(convert_to(v_to.secret || b.body,
+                                                                      'UTF8'))), 'hex')
+                                   || ' ' || b.body)) AS n;
     RETURN v_id;
 END;
 $$;
@@ -224,8 +234,11 @@ BEGIN
     END IF;
     -- (schema version 21) in a publish that commits at once, a message due now may be handed
     -- to a consumer asleep on the queue (handoff_v1)
-    IF p_name IS NULL AND coalesce(p_delay_ms, 0) <= 0 AND octet_length(p_content) <= 4800
-       AND current_setting('lonnymq.handoff', true) = 'on' THEN
+    IF p_name IS NULL AND coalesce(p_delay_ms, 0) <= 0
+       AND current_setting('lonnymq.handoff', true) = 'on'
+       -- (what fits a NOTIFY's 8,000 bytes with the rest of the payload, base64)
+       AND octet_length(p_content) <= 4800
+       AND octet_length(p_queue) + octet_length(p_channel) <= 1200 THEN
         message_id := {schema}.handoff_v1(p_queue, p_channel, p_content, p_priority, p_ttl_ms);
         IF message_id IS NOT NULL THEN
             result_code := 'created';

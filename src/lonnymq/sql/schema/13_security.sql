@@ -31,7 +31,7 @@ ALTER FUNCTION {schema}.message_dequeue_hinted_v1(text[], bigint[], integer, big
 ALTER FUNCTION {schema}.sleep_v1(text[], text[], text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
-ALTER FUNCTION {schema}.sleep_v2(text[], text[], text[], bigint, text, bigint, text[])
+ALTER FUNCTION {schema}.sleep_v2(text[], text[], text[], text[], text[], bigint, text, bigint, text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
 ALTER FUNCTION {schema}.message_publish_v2(text, text, text, text, bytea, integer, bigint, bigint, boolean)
