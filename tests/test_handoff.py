@@ -455,3 +455,25 @@ def test_a_consumer_with_a_full_window_is_not_handed_anything(
         received.wait(i)
     assert [b for b, _ in held] == ["kept"]
     held[0][1].ack()
+
+
+def test_what_is_handed_after_a_cancel_goes_back(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A consumer cancelled while asleep, its connection kept: a publish before its next look
+    still hands it a message, which it reads as for a queue it no longer consumes; its next
+    heartbeat releases it (back in its place, unlocked), not its lock's expiry."""
+    consumer_conn = swept(make_connection(visibility_timeout=4, heartbeat_interval=0.5))
+    (queue,) = declared(consumer_conn, "hq")
+    consumer = consumer_conn.Consumer([queue], callbacks=[lambda b, m: m.ack()], accept=["json"])
+    consumer.consume()
+    producer = make_connection().Producer(serializer="json")
+    warm_then_idle(consumer_conn, producer)
+    (holder,) = holders(conn, schema, "hq")
+    consumer.cancel()
+    producer.publish("after-cancel", routing_key="hq")
+    ((_, token),) = locks(conn, schema, "hq")
+    assert handed_to(token, holder)
+    with contextlib.suppress(TimeoutError):
+        consumer_conn.drain_events(timeout=0.3)  # (reads it: for a queue not consumed)
+    wait_until(lambda: locks(conn, schema, "hq")[0][1] is None, timeout=3)

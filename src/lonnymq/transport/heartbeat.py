@@ -63,9 +63,15 @@ class Heartbeat(threading.Thread):
         for channel in list(transport.channels):
             if getattr(channel, "_qos", None) is not None:
                 held.extend(channel.qos.held())
-        # handed to it, and not delivered yet (a full prefetch window)
+        # handed to it: those for queues no longer consumed go back, those not delivered yet
+        # (a full prefetch window) are kept
         handoffs = transport.waiter.handoffs
-        waiting = [] if handoffs is None else handoffs.pending(take=False)
+        waiting = []
+        if handoffs is not None:
+            orphans = handoffs.orphans()
+            handoffs.done(orphans)
+            transport.release((m.id, m.lock_token) for m in orphans)
+            waiting = handoffs.pending(take=False)
         held.extend((m.id, m.lock_token) for m in waiting)
         if held:
             op = heartbeat_op(transport.options.schema, held, lock_ms=transport.options.lock_ms)
