@@ -389,14 +389,6 @@ class Waiter(_Forkable):
             if len(held) < MAX_HINTS:  # (more: the dequeue finds them)
                 held.add(int(ident))
 
-    def handed(self, queues: Collection[str]) -> list[Message]:
-        """Take the messages handed to this session for ``queues`` (see :mod:`.handoff`)."""
-        return [] if self.handoffs is None else self.handoffs.take(queues)
-
-    def orphans(self) -> list[Message]:
-        """Take the messages handed for queues no longer consumed (to release)."""
-        return [] if self.handoffs is None else self.handoffs.orphans()
-
     def pending(self, *, take: bool = True) -> list[Message]:
         """The messages handed and not delivered yet (see :meth:`.Handoffs.pending`)."""
         return [] if self.handoffs is None else self.handoffs.pending(take=take)
