@@ -24,10 +24,13 @@ from kombu.messaging import Producer
 from psycopg import sql
 
 import lonnymq
+from lonnymq.queue._ops import run
 from lonnymq.queue.dequeue import dequeue_op
+from lonnymq.queue.routing import publish_op
 from lonnymq.transport import transport as transport_module
 from tests.invariants import assert_consistent
 from tests.test_counters import counters
+from tests.test_plans import Recorder
 from tests.test_wakeup import LOOPS, Driver, Received, asleep_on, declared, swept
 from tests.test_wakeup import drive as drive  # (a fixture)
 
@@ -477,3 +480,79 @@ def test_what_is_handed_after_a_cancel_goes_back(
     with contextlib.suppress(TimeoutError):
         consumer_conn.drain_events(timeout=0.3)  # (reads it: for a queue not consumed)
     wait_until(lambda: locks(conn, schema, "hq")[0][1] is None, timeout=3)
+
+
+def test_a_held_snapshot_does_not_slow_the_hand_off(
+    make_connection: Callable[..., Connection],
+    conn: Conn,
+    connect: Callable[..., Conn],
+    schema: str,
+) -> None:
+    """A publisher hands a message to the sleeping consumer (its session plans the hand-off
+    then, on a small table); then, while another session holds a snapshot, 2,000 locks of
+    the queue expire and go (acked messages leave their entries in the locked index until no
+    snapshot can see them), all before the next ingest. The next publish is handed too, and
+    its checks read from the queue's lock position, not those entries (version 21's plan
+    read them all)."""
+    consumer_conn, _ = consumer_of_hq(make_connection)
+    producer = make_connection().Producer(serializer="json")
+    warm_then_idle(consumer_conn, producer)
+    assert asleep_on(conn, schema, "hq")
+    (holder,) = holders(conn, schema, "hq")
+    publisher = connect()
+    recorder = Recorder(publisher)
+    run(publisher, publish_op(schema, "", "hq", b"first", handoff=True))
+    recorder.take()
+    table = sql.Identifier(schema, "message")
+    conn.execute(
+        sql.SQL(
+            "INSERT INTO {} (queue, channel, attempts, txid, dequeue_at, locked_until, "
+            "lock_token, content) "
+            "SELECT 'hq', 'gone', 1, pg_current_xact_id(), now() - interval '2 hours', "
+            "now() - interval '1 hour' + g * interval '1 ms', gen_random_uuid(), 'x' "
+            "FROM generate_series(1, 2000) AS g"
+        ).format(table)
+    )
+    held = connect()
+    held.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    held.execute("SELECT 1")  # (its snapshot: the rows deleted next stay for it)
+    try:
+        conn.execute(sql.SQL("DELETE FROM {} WHERE channel = 'gone'").format(table))
+        # (an ingest of the queue, as a consumer's look runs it: its lock position moves
+        # past the expired locks, none of them live)
+        conn.execute(
+            sql.SQL("SELECT {}(ARRAY['hq'], true, true)").format(
+                sql.Identifier(schema, "ingest_v1")
+            )
+        )
+        run(publisher, publish_op(schema, "", "hq", b"second", handoff=True))
+        plans = recorder.take()
+    finally:
+        held.execute("ROLLBACK")
+    tokens = [token for _, token in locks(conn, schema, "hq")]
+    assert len(tokens) == 2 and all(handed_to(t, holder) for t in tokens), tokens
+    (checks,) = [p for p in plans if "quiet AS MATERIALIZED" in p.text]
+    # (a read of the dead entries shows as heap fetches: 2,000 with version 21's plan)
+    fetched = sum(int(node.get("Heap Fetches", 0)) for node in checks.nodes())
+    assert fetched < 50, fetched
+
+
+def test_housekeeping_moves_the_positions_of_the_queues_slept_on(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A consumer handed every message runs no dequeue, so no ingest of its own: the
+    housekeeping's ingest moves the lock position of the queues a transport sleeps on, from
+    which each hand-off's checks read."""
+    consumer_conn, _ = consumer_of_hq(make_connection)
+    producer = make_connection().Producer(serializer="json")
+    warm_then_idle(consumer_conn, producer)
+    assert holders(conn, schema, "hq")
+    position = sql.SQL(
+        "SELECT d.lock_from[array_position(d.queues, 'hq')] FROM {} d ORDER BY d.id DESC LIMIT 1"
+    ).format(sql.Identifier(schema, "discovery"))
+    before = conn.execute(position).fetchone()
+    time.sleep(0.05)
+    conn.execute(sql.SQL("SELECT {}(1000)").format(sql.Identifier(schema, "housekeep_v1")))
+    after = conn.execute(position).fetchone()
+    assert before is not None and after is not None and before[0] is not None
+    assert after[0] > before[0]

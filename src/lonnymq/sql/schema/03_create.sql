@@ -136,14 +136,19 @@ BEGIN
           AND NOT EXISTS (SELECT 1 FROM unseen u WHERE u.queue = p_queue)
           AND p_queue = ANY (d.queues) AND NOT p_queue = ANY (d.pend_queue)
           AND NOT EXISTS (SELECT 1 FROM {schema}.channel f WHERE f.queue = p_queue AND f.freed)
-          AND NOT EXISTS (SELECT 1 FROM {schema}.lane l
-                          WHERE l.queue = p_queue
-                            AND l.turn_at >= d.turn_from[array_position(d.queues, p_queue)]
-                            AND l.turn_at <= v_now + interval '1 millisecond')
-          AND NOT EXISTS (SELECT 1 FROM {schema}.message e
-                          WHERE e.queue = p_queue
-                            AND e.locked_until >= d.lock_from[array_position(d.queues, p_queue)]
-                            AND e.locked_until <= v_now)
+          -- (the first due lane and the first expired lock, each in its index's order from
+          -- the queue's position: as NOT EXISTS, the generic plan read every entry of the
+          -- queue up to now, which a held snapshot keeps: schema version 22)
+          AND (SELECT l.turn_at FROM {schema}.lane l
+               WHERE l.queue = p_queue
+                 AND l.turn_at >= d.turn_from[array_position(d.queues, p_queue)]
+                 AND l.turn_at <= v_now + interval '1 millisecond'
+               ORDER BY l.queue, l.turn_at LIMIT 1) IS NULL
+          AND (SELECT e.locked_until FROM {schema}.message e
+               WHERE e.queue = p_queue
+                 AND e.locked_until >= d.lock_from[array_position(d.queues, p_queue)]
+                 AND e.locked_until <= v_now
+               ORDER BY e.queue, e.locked_until LIMIT 1) IS NULL
     )
     -- the sessions registered for the queue, in random order: the first asleep on it (holds
     -- the key, tried and given back at once) and not being handed a message meanwhile

@@ -186,7 +186,11 @@ $$;
 
 -- Housekeeping, run by consumers every expire_interval: prune dead letters older than their
 -- queue's retention (at most p_limit), ingest and fold the counts, and remove the lanes of
--- channels empty for 5 minutes (at most p_limit).
+-- channels empty for 5 minutes (at most p_limit). The ingest moves the positions of the queues
+-- a transport sleeps on (schema version 22): a consumer that is handed every message runs no
+-- dequeue, and each hand-off's checks read the locked index from its queue's lock position
+-- (handoff_v1), past the entries of what was handed and acked since, which a held snapshot
+-- keeps.
 CREATE FUNCTION {schema}.housekeep_v1(p_limit integer, OUT dead_pruned bigint)
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
@@ -211,7 +215,10 @@ BEGIN
     DELETE FROM {schema}.queue_gone g WHERE g.name = ANY (ARRAY(
         SELECT o.name FROM {schema}.queue_gone o
         WHERE o.gone_at < v_now - interval '1 day' ORDER BY o.gone_at LIMIT p_limit));
-    PERFORM {schema}.ingest_v1(ARRAY[]::text[], true, true);
+    PERFORM {schema}.ingest_v1(
+        ARRAY(SELECT DISTINCT u.q FROM {schema}.sleeper s CROSS JOIN LATERAL unnest(s.queues) AS u(q)
+              ORDER BY u.q),
+        true, true);
     -- channels empty for 5 minutes: their lanes and counts go
     -- (at most 1,000 a call: each takes a lane key, a slot of the server's lock table)
     PERFORM {schema}.lane_prune_v1(LEAST(p_limit, 1000), interval '5 minutes');
