@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 import psycopg
+from bench_wakeup import percentile
 from kombu.connection import Connection
 from kombu.entity import Exchange, Queue
 from kombu.messaging import Consumer, Producer
@@ -121,8 +122,7 @@ def report(
         f"{args.free + args.hold:.0f} s"
     )
     for b, (publish, wake) in sorted(buckets.items()):
-        wake.sort()
-        p99 = wake[min(len(wake) - 1, int(0.99 * len(wake)))] if wake else float("nan")
+        p99 = percentile(wake, 0.99) if wake else float("nan")
         print(
             f"{b * args.bucket:5.0f} s  publish p50 {statistics.median(publish):5.2f}  "
             f"wake-up p50 {statistics.median(wake) if wake else float('nan'):5.2f}  "

@@ -14,6 +14,7 @@ from ..queue.expiry import touch_op
 from ..queue.finalize import heartbeat_op
 from .acks import Held
 from .interfaces import TransportLike
+from .rounds import release_handed
 
 logger = logging.getLogger("lonnymq.transport")
 
@@ -68,9 +69,7 @@ class Heartbeat(threading.Thread):
         handoffs = transport.waiter.handoffs
         waiting = []
         if handoffs is not None:
-            orphans = handoffs.orphans()
-            handoffs.done(orphans)
-            transport.release((m.id, m.lock_token) for m in orphans)
+            release_handed(transport, handoffs, handoffs.orphans())
             waiting = handoffs.pending(take=False)
         held.extend((m.id, m.lock_token) for m in waiting)
         if held:

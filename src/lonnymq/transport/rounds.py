@@ -155,16 +155,17 @@ def deliverable(
     sleeps again, see ``Channel.accept``) when it was idle and nothing but hand-offs named
     its queues since: a NOTIFY or a hint means something else waits."""
     others = handoffs.woken_by_others(queues)
-    _release(transport, handoffs, handoffs.orphans())
+    release_handed(transport, handoffs, handoffs.orphans())
     handed = handoffs.take(queues)
     if not handed:
         return None
-    _release(transport, handoffs, handed[limit:])
+    release_handed(transport, handoffs, handed[limit:])
     handed = _still_held(transport, handoffs, handed[:limit])
     return DequeueResult(handed, settled=idle and not others) if handed else None
 
 
-def _release(transport: TransportLike, handoffs: Handoffs, messages: list[Message]) -> None:
+def release_handed(transport: TransportLike, handoffs: Handoffs, messages: list[Message]) -> None:
+    """Give back messages handed to this consumer and not delivered (orphans, no room)."""
     handoffs.done(messages)
     transport.release((m.id, m.lock_token) for m in messages)
 
