@@ -58,6 +58,7 @@ _WORKER = (
     "message_dequeue_hinted_v1",
     "sleep_v1",
     "sleep_v2",
+    "sleep_v3",
     "message_reject_v1",
     "housekeep_v1",
     "message_delete_v1",

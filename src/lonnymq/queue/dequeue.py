@@ -54,6 +54,10 @@ class Message:
     #: True when its previous holder's lock expired (the holder died or hung) and it was
     #: taken over; False for a first delivery or after a requeue.
     lock_expired: bool = False
+    #: False for a message handed to a consumer that takes its queue without acks (schema
+    #: version 23): it has no row, so nothing to delete or release; its ``lock_token`` is
+    #: the nil UUID.
+    stored: bool = True
 
     def delete(self, conn: psycopg.Connection[Any]) -> Outcome:
         """Delete (acknowledge) the message."""
@@ -189,8 +193,8 @@ def dequeue_op(
 
 
 _SLEEP: LiteralString = (
-    "SELECT {schema}.sleep_v2(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
-    "%s::bigint, %s::text, %s::bigint, %s::text[])"
+    "SELECT {schema}.sleep_v3(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], "
+    "%s::bigint, %s::text, %s::bigint, %s::text[], %s::text[])"
 )
 
 
@@ -206,6 +210,7 @@ def sleep_op(
     secret: str | None = None,
     lock_ms: int | None = None,
     queues: Sequence[str] | None = None,
+    no_ack: Sequence[str] = (),
 ) -> Op[list[str]]:
     """On the session it runs on (one that LISTENs): hold the ``sleep`` keys of the queues of
     ``take`` (their producers then NOTIFY) and release those of ``drop``; returns the queues
@@ -215,7 +220,9 @@ def sleep_op(
     session's own id for hand-offs: publishes to the queues of ``hand_take`` (until they are
     in ``hand_drop``) then hand a message to it, locked for ``lock_ms``, in a NOTIFY on
     ``lonnymq_hand_<holder>`` signed with ``secret``; ``queues``: the queues it consumes,
-    when they changed (None: unchanged; empty: it closes, see ``sleep_v2``)."""
+    when they changed (None: unchanged; empty: it closes, see ``sleep_v3``), with ``no_ack``,
+    those of them it consumes without acks (schema version 23: handed without a row, see
+    ``handoff_v1``)."""
     params = (
         *(
             [_checks.name(q, "queue") for q in names]
@@ -225,6 +232,7 @@ def sleep_op(
         secret,
         lock_ms,
         None if queues is None else [_checks.name(q, "queue") for q in queues],
+        [_checks.name(q, "queue") for q in no_ack],
     )
 
     def parse(rows: Rows) -> list[str]:

@@ -23,7 +23,7 @@ from ..queue.dequeue import DequeueResult, dequeue_op
 from ..queue.finalize import defer_op, delete_many_op, delete_op, reject_op
 from ..queue.operate import settings_op
 from ..queue.routing import publish_op
-from . import events
+from . import events, rounds
 from .acks import Held
 from .headers import delay_ms, make_eta_aware, priority, str_or_none, ttl_ms
 from .interfaces import Delivery, TransportLike, Where
@@ -301,15 +301,22 @@ class Channel(TopologyChannel):
         settled = self.idle and result.settled and self._asleep_on_all()
         timer, self.idle, self.retry_at = self.retry_at, False, None
         self.busy_rounds += 1
-        messages = [m for m in result.messages if m.queue in self._active_queues]
+        # (one handed without a row is for a queue consumed without acks: one consumed with
+        # acks by now is given back, created again, as one of a queue no longer consumed)
+        messages = [
+            m
+            for m in result.messages
+            if m.queue in self._active_queues and (m.stored or m.queue in self._no_ack_queues)
+        ]
         if len(messages) < len(result.messages):
-            gone = [m for m in result.messages if m.queue not in self._active_queues]
+            kept = {id(m) for m in messages}
+            gone = [m for m in result.messages if id(m) not in kept]
             with contextlib.suppress(LonnyMQError):  # else their locks expire: they come back
-                self.connection.release((m.id, m.lock_token) for m in gone)
+                rounds.give_back(self.connection, gone)
         batch = self._decodable(messages)
         if not batch:
             return [], 0  # all put aside or released: look again at once
-        no_ack = [m for m, _ in batch if m.queue in self._no_ack_queues]
+        no_ack = [m for m, _ in batch if m.queue in self._no_ack_queues and m.stored]
         if no_ack:
             self._consume(
                 delete_many_op(self.options.schema, [(m.id, m.lock_token) for m in no_ack])
@@ -385,6 +392,9 @@ class Channel(TopologyChannel):
         return out
 
     def _put_aside(self, message: QueueMessage) -> None:
+        if not message.stored:  # (created again: a dequeue then puts its row aside)
+            rounds.give_back(self.connection, [message])
+            return
         schema = self.options.schema
         if self._keeps_dead_letters(message.queue):
             op = reject_op(schema, message.id, message.lock_token, reason="undecodable")

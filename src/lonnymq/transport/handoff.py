@@ -9,6 +9,11 @@ channel of their queue fetches: it then delivers them instead of dequeuing (see
 connection closes, are released by the transport; the heartbeat extends the locks of those
 still waiting (a full prefetch window).
 
+A queue that this consumer takes without acks (schema version 23) is handed its messages
+without a row: nothing to delete or release (:attr:`Message.stored` false); one that cannot be
+delivered (its queue no longer consumed, or consumed with acks by now, the connection closing)
+is created again (``Transport.give_back``), its time to live what is left of it.
+
 Each LISTEN session has an id (``holder``) and a secret of its own, new with the session: a
 session the client lost may still hold its keys on the server for a while, and publishes
 would hand it messages. Any role may NOTIFY, so a payload without the secret is dropped.
@@ -26,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -35,6 +41,8 @@ from ..queue.dequeue import Message
 from . import pooler
 
 logger = logging.getLogger("lonnymq.transport")
+#: The lock token of a message handed without a row (it has no lock).
+NIL_TOKEN = uuid.UUID(int=0)
 
 #: What a new LISTEN session asks of the server: to find a client that is gone within about
 #: a minute (TCP keepalives), so that what is handed to a session nobody reads any more comes
@@ -51,6 +59,20 @@ _WHO = (
 _END = (
     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid = %s AND backend_start = %s"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Unstored(Message):
+    """A message handed without a row, to a consumer that takes its queue without acks
+    (schema version 23): nothing to delete or release; created again if it cannot be
+    delivered (see ``rounds.give_back``)."""
+
+    #: when its time to live ends (this process's clock, epoch seconds; None: never)
+    expires: float | None = None
+
+    def ttl_ms(self) -> float | None:
+        """What is left of its time to live, in ms (at least 1; None: none)."""
+        return None if self.expires is None else max(1.0, (self.expires - time.time()) * 1000)
 
 
 class Handoffs:
@@ -108,25 +130,32 @@ class Handoffs:
                 raise ValueError("not signed with this session's secret")
             ident, token, prio, created, until, qlen, clen, rest = body.split(" ", 7)
             end = int(qlen) + int(clen)
-            message = Message(
-                schema=self.schema,
-                id=int(ident),
-                queue=rest[: int(qlen)],
-                channel=rest[int(qlen) : end],
-                name=None,
-                priority=int(prio),
-                attempts=1,
-                lock_token=uuid.UUID(token),
-                created_at=datetime.fromtimestamp(float(created), tz=timezone.utc),
-                content=base64.b64decode(rest[end:], validate=True),
-                state=None,
-            )
-            locked_until = float(until)
+            fields: dict[str, Any] = {
+                "schema": self.schema,
+                "id": int(ident),
+                "queue": rest[: int(qlen)],
+                "channel": rest[int(qlen) : end],
+                "name": None,
+                "priority": int(prio),
+                "attempts": 1,
+                "created_at": datetime.fromtimestamp(float(created), tz=timezone.utc),
+                "content": base64.b64decode(rest[end:], validate=True),
+                "state": None,
+            }
+            locked_until = 0.0
+            message: Message
+            if token == "-":  # (without a row: its time to live's end in place of a lock's)
+                expires = None if until == "-" else float(until) - self.offset
+                message = Unstored(**fields, lock_token=NIL_TOKEN, stored=False, expires=expires)
+            else:
+                message = Message(**fields, lock_token=uuid.UUID(token))
+                locked_until = float(until)
         except Exception as exc:  # (whatever it was, it is not one of ours)
             logger.debug("lonnymq: hand-off %.80r ignored (%s)", payload, exc)
             return None
         with self._lock:
-            self._until[message.id] = locked_until
+            if message.stored:
+                self._until[message.id] = locked_until
             if message.queue in queues:
                 self._handed.setdefault(message.queue, []).append(message)
                 return message.queue
@@ -139,7 +168,7 @@ class Handoffs:
         to be checked before they are delivered."""
         now = time.time() + self.offset
         with self._lock:
-            return [m for m in messages if self._until.get(m.id, 0.0) - now < margin]
+            return [m for m in messages if m.stored and self._until.get(m.id, 0.0) - now < margin]
 
     def extended(self, ids: Collection[int], seconds: float) -> None:
         """Their locks were extended by ``seconds`` from now (the heartbeat, a check)."""

@@ -71,7 +71,7 @@ class Heartbeat(threading.Thread):
         if handoffs is not None:
             release_handed(transport, handoffs, handoffs.orphans())
             waiting = handoffs.pending(take=False)
-        held.extend((m.id, m.lock_token) for m in waiting)
+        held.extend((m.id, m.lock_token) for m in waiting if m.stored)
         if held:
             op = heartbeat_op(transport.options.schema, held, lock_ms=transport.options.lock_ms)
             kept = transport.pg.run(transport.consumer_op(op))

@@ -61,6 +61,10 @@ class ChannelLike(Protocol):
         """The queues it consumes (kombu's)."""
 
     @property
+    def _no_ack_queues(self) -> set[str]:
+        """Those of them it consumes without acks."""
+
+    @property
     def idle(self) -> bool:
         """Its last fetch found nothing."""
 

@@ -11,7 +11,8 @@ import time
 from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult, Message
 from ..queue.finalize import heartbeat_op
-from .handoff import Handoffs
+from ..queue.routing import publish_op
+from .handoff import Handoffs, Unstored
 from .interfaces import ChannelLike, Delivery, Job, TransportLike
 from .sleep import Wanted, sooner
 
@@ -103,10 +104,10 @@ def deliver(transport: TransportLike, results: Fetched) -> tuple[int, int | None
 def release(transport: TransportLike, results: Fetched) -> None:
     """Unlock messages fetched and not delivered (else they come back when their lock
     expires)."""
-    held = [(m.id, m.lock_token) for _, result in results for m in result.messages]
+    held = [m for _, result in results for m in result.messages]
     if held:
         try:
-            transport.release(held)
+            give_back(transport, held)
         except LonnyMQError as exc:
             logger.warning(
                 "lonnymq: could not release %d fetched message(s) (%s); they come back "
@@ -166,8 +167,40 @@ def deliverable(
 
 def release_handed(transport: TransportLike, handoffs: Handoffs, messages: list[Message]) -> None:
     """Give back messages handed to this consumer and not delivered (orphans, no room)."""
+    give_back(transport, messages)
     handoffs.done(messages)
-    transport.release((m.id, m.lock_token) for m in messages)
+
+
+def give_back(transport: TransportLike, messages: list[Message]) -> None:
+    """Give back messages fetched or handed and not delivered: those with a row are
+    released (unlocked, in their place); those handed without one (of a queue consumed
+    without acks, schema version 23) are created again in their queue, with what is left of
+    their time to live, else they would be lost. (Created again, a message is counted as
+    created twice.)"""
+    transport.release((m.id, m.lock_token) for m in messages if m.stored)
+    for message in messages:
+        if not isinstance(message, Unstored):
+            continue
+        op = publish_op(
+            transport.options.schema,
+            "",
+            message.queue,
+            message.content,
+            channel=message.channel,
+            priority=message.priority,
+            ttl_ms=message.ttl_ms(),
+            max_message_bytes=max(transport.options.max_message_bytes, len(message.content)),
+        )
+        try:
+            transport.pg.run(op)
+        except LonnyMQError as exc:
+            logger.error(
+                "lonnymq: message %d of queue %r, handed without a row and not delivered, "
+                "could not be created again (%s): it is lost",
+                message.id,
+                message.queue,
+                exc,
+            )
 
 
 def _still_held(

@@ -60,6 +60,9 @@ class Consuming(Protocol):
     def _active_queues(self) -> list[str]: ...
 
     @property
+    def _no_ack_queues(self) -> set[str]: ...
+
+    @property
     def idle(self) -> bool: ...
 
     @property
@@ -85,6 +88,8 @@ class Change:
     #: of channels asleep with room in their prefetch window (see :mod:`.handoff`)
     hand_take: tuple[str, ...] = ()
     hand_drop: tuple[str, ...] = ()
+    #: of ``consumed``, those that no channel consumes with acks (handed without a row)
+    no_ack: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -145,8 +150,9 @@ class SleepKeys:
         self.schema = schema
         #: the lock of a message handed to this consumer (see Options.handoff_lock_ms)
         self.handoff_lock_ms = handoff_lock_ms
-        #: the queues its sleeper row names (hand-offs; None: none written on this session)
-        self.registered: frozenset[str] | None = None
+        #: the queues its sleeper row names, and those of them it consumes without acks
+        #: (hand-offs; None: none written on this session)
+        self.registered: tuple[frozenset[str], frozenset[str]] | None = None
         self.held: set[str] = set()
         #: queues whose hand-off key this session holds
         self.handing: set[str] = set()
@@ -171,11 +177,13 @@ class SleepKeys:
         roomy: set[str] = set()  # (of idle channels with room: hand-offs welcome)
         full: set[str] = set()
         consumed: set[str] = set()
+        acked: set[str] = set()
         for channel in channels:
             if channel.closed or not channel._consumers:
                 continue
             queues = channel._active_queues
             consumed.update(queues)
+            acked.update(q for q in queues if q not in channel._no_ack_queues)
             if channel.idle:
                 idle.update(queues)
             elif channel.busy_rounds >= 2:
@@ -186,7 +194,14 @@ class SleepKeys:
         check = (take | self.unsettled) & idle
         handing = (roomy - full) & (self.held | take) - drop if self.waiter.handoffs else set()
         hand_take, hand_drop = handing - self.handing, self.handing - handing
-        if not (take or drop or check or hand_take or hand_drop):
+        # (the sleeper row follows what is consumed, and how, also when no key changes)
+        handoffs = self.waiter.handoffs
+        register = (
+            handoffs is not None
+            and handoffs.holder is not None
+            and (frozenset(consumed), frozenset(consumed - acked)) != self.registered
+        )
+        if not (take or drop or check or hand_take or hand_drop or register):
             return None
         return Change(
             tuple(sorted(take)),
@@ -195,11 +210,12 @@ class SleepKeys:
             frozenset(consumed),
             tuple(sorted(hand_take)),
             tuple(sorted(hand_drop)),
+            frozenset(consumed - acked),
         )
 
     def closing(self) -> Change:
         """The change that releases every key and the hand-off registration (the consumer
-        closes: see ``sleep_v2``)."""
+        closes: see ``sleep_v3``)."""
         return Change(
             (), tuple(sorted(self.held)), (), frozenset(), (), tuple(sorted(self.handing))
         )
@@ -226,7 +242,8 @@ class SleepKeys:
         handoffs = self.waiter.handoffs
         holder = None if handoffs is None else handoffs.holder
         queues = None
-        if holder is not None and change.consumed != self.registered:
+        registration = (change.consumed, change.no_ack)
+        if holder is not None and registration != self.registered:
             queues = sorted(change.consumed)
         op = sleep_op(
             self.schema,
@@ -239,6 +256,7 @@ class SleepKeys:
             secret=None if handoffs is None or holder is None else handoffs.secret,
             lock_ms=None if holder is None else self.handoff_lock_ms,
             queues=queues,
+            no_ack=sorted(change.no_ack) if queues is not None else (),
         )
         done = self.waiter.run(op, change.consumed)
         if done is None:  # the session failed: its keys went with it
@@ -248,7 +266,7 @@ class SleepKeys:
             self.registered = None
             return Settled(change.consumed, None)
         if queues is not None:
-            self.registered = change.consumed
+            self.registered = registration
         if holder is not None:
             self.handing.update(change.hand_take)
             self.handing.difference_update(change.hand_drop)

@@ -284,7 +284,7 @@ class Transport(virtual.Transport):
                         # (no hand-off from now on, and those being made are committed)
                         self._sleep.apply(self._sleep.closing())
                     self._waiter.notified(())  # (those arrived and unread: orphans now)
-                    self.release((m.id, m.lock_token) for m in self._waiter.pending())
+                    rounds.give_back(self, self._waiter.pending())
                 self._waiter.dispose()
                 self._waiter = None
                 self._sleep = None

@@ -355,7 +355,10 @@ CREATE TABLE {schema}.sleeper (
     queues text[] COLLATE "C" NOT NULL,
     secret text NOT NULL,
     lock_ms bigint NOT NULL CHECK (lock_ms > 0),
-    updated_at timestamptz NOT NULL DEFAULT clock_timestamp()
+    updated_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- (schema version 23) those of its queues it consumes without acks: a message handed to it
+    -- for one of them has no row (see handoff_v1)
+    no_ack text[] COLLATE "C" NOT NULL DEFAULT '{{}}'
 );
 
 -- Storage: the hot tables churn; leave room on each page for updated row versions (HOT

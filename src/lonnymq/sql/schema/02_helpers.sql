@@ -82,19 +82,21 @@ BEGIN
 END;
 $$;
 
--- sleep_v1, and the hand-off's registration (schema version 21; see handoff_v1): p_holder,
+-- The hand-off's registration (schema version 21; see handoff_v1), and sleep_v1: p_holder,
 -- this LISTEN session's own random id (NULL: no hand-off, as sleep_v1), whose key 'holder'
 -- the session holds while it lives (taken at its first call; a call for a holder another
 -- session holds fails). It holds the key 'asleep <holder>' of the queues of p_hand_take until
 -- they are in p_hand_drop: those of its channels asleep with room in their prefetch window,
 -- so that a publish hands a message only to a session that can take it, and to no session
 -- that is gone. p_queues (NULL: unchanged): the queues it consumes, written to its sleeper
--- row with p_secret and p_lock_ms; rows of sessions that are gone are deleted then. An empty
--- p_queues (the consumer closes): its row is deleted, and the call waits for the
--- transactions handing it a message to end (their NOTIFYs are then there to be read).
-CREATE FUNCTION {schema}.sleep_v2(
+-- row with p_secret, p_lock_ms and p_no_ack (schema version 23: those of them it consumes
+-- without acks, whose messages are handed to it without a row); rows of sessions that are
+-- gone are deleted then. An empty p_queues (the consumer closes): its row is deleted, and the
+-- call waits for the transactions handing it a message to end (their NOTIFYs are then there
+-- to be read).
+CREATE FUNCTION {schema}.sleep_v3(
     p_take text[], p_drop text[], p_check text[], p_hand_take text[], p_hand_drop text[],
-    p_holder bigint, p_secret text, p_lock_ms bigint, p_queues text[]
+    p_holder bigint, p_secret text, p_lock_ms bigint, p_queues text[], p_no_ack text[]
 ) RETURNS text[]
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -116,10 +118,10 @@ BEGIN
             DELETE FROM {schema}.sleeper s WHERE s.holder = p_holder;
             PERFORM pg_advisory_xact_lock({schema}.queue_key_v1('handoff', p_holder::text));
         ELSIF p_queues IS NOT NULL THEN
-            INSERT INTO {schema}.sleeper (holder, queues, secret, lock_ms)
-            VALUES (p_holder, p_queues, p_secret, p_lock_ms)
+            INSERT INTO {schema}.sleeper (holder, queues, secret, lock_ms, no_ack)
+            VALUES (p_holder, p_queues, p_secret, p_lock_ms, coalesce(p_no_ack, '{{}}'))
             ON CONFLICT (holder) DO UPDATE SET queues = excluded.queues,
-                secret = excluded.secret, lock_ms = excluded.lock_ms,
+                secret = excluded.secret, lock_ms = excluded.lock_ms, no_ack = excluded.no_ack,
                 updated_at = clock_timestamp();
             DELETE FROM {schema}.sleeper s
             WHERE s.holder IN (
@@ -139,6 +141,19 @@ BEGIN
     END IF;
     RETURN ARRAY(SELECT DISTINCT c.q FROM unnest(p_check) AS c(q)
                  WHERE NOT {schema}.queue_idle_v1(c.q) ORDER BY c.q);
+END;
+$$;
+
+-- sleep_v3 without p_no_ack (schema version 21; for clients of version 22): every message
+-- handed to a session registered with it has a row.
+CREATE FUNCTION {schema}.sleep_v2(
+    p_take text[], p_drop text[], p_check text[], p_hand_take text[], p_hand_drop text[],
+    p_holder bigint, p_secret text, p_lock_ms bigint, p_queues text[]
+) RETURNS text[]
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN {schema}.sleep_v3(p_take, p_drop, p_check, p_hand_take, p_hand_drop, p_holder,
+                             p_secret, p_lock_ms, p_queues, NULL);
 END;
 $$;
 

@@ -71,6 +71,16 @@ BEGIN
 END;
 $$;
 
+-- A hand-off's payload signed with its session's secret (see handoff_v1): the hex of
+-- sha256(secret || sha256(secret || body)), a space, the body. (A SQL function of one
+-- expression: inlined where it is used, no call at run time.)
+CREATE FUNCTION {schema}.handoff_signed_v1(p_secret text, p_body text) RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT encode(sha256(convert_to(p_secret, 'UTF8')
+                         || sha256(convert_to(p_secret || p_body, 'UTF8'))), 'hex')
+           || ' ' || p_body
+$$;
+
 -- Hand a message due now to a consumer asleep on its queue (schema version 21): called by
 -- message_create_v1 in a publish that commits at once (message_publish_v2's p_handoff).
 -- RabbitMQ pushes a message to its consumer; here the consumer used to be woken by a NOTIFY
@@ -90,9 +100,15 @@ $$;
 -- hinted take's rules, see message_dequeue_hinted_v1): nothing of it that no ingest has seen
 -- (of fewer than 64 such rows, of every queue), the queue in the ingest's state without heads
 -- pending, no slot of a limited channel of it freed since, no lane of it due and no lock of
--- it past its expiry. Its creation and delivery are tallied as the take's. Returns the
--- message's id, or NULL when it was not handed (then it is created as usual). Three
--- statements: what a publish's round trip pays when cold.
+-- it past its expiry. Its creation and delivery are tallied as the take's. To a session
+-- that consumes the queue without acks (schema version 23: sleeper.no_ack, Celery's rpc://
+-- replies, events and broadcasts) the message is sent and no row is written: delivered at
+-- the commit, as RabbitMQ's delivery to a no-ack consumer is at the socket write; its id is
+-- the message sequence's, its lock token '-' and in place of its lock's expiry its own time
+-- to live's ('-': none), so that a consumer that cannot deliver it creates it again; it is
+-- tallied as created, delivered and acked. Returns the message's id, or NULL when it was not
+-- handed (then it is created as usual). Three statements: what a publish's round trip pays
+-- when cold.
 CREATE FUNCTION {schema}.handoff_v1(
     p_queue text, p_channel text, p_content bytea, p_priority integer, p_ttl_ms bigint
 ) RETURNS bigint
@@ -164,6 +180,24 @@ BEGIN
     IF v_to.holder IS NULL THEN
         RETURN NULL;
     END IF;
+    IF p_queue = ANY (v_to.no_ack) THEN  -- (without a row: see above)
+        WITH tallied AS (
+            INSERT INTO {schema}.tally (queue, channel, enqueued, delivered, acked)
+            VALUES (p_queue, p_channel, 1, 1, 1)
+        )
+        SELECT i.id INTO v_id
+        FROM (SELECT nextval('{schema}.message_id_seq') AS id) AS i,
+             LATERAL (SELECT concat_ws(' ', i.id, '-', p_priority, extract(epoch FROM now()),
+                                       coalesce(extract(epoch FROM v_now + p_ttl_ms
+                                                        * interval '1 millisecond')::text, '-'),
+                                       length(p_queue), length(p_channel))
+                             || ' ' || p_queue || p_channel
+                             || translate(encode(p_content, 'base64'), E'\n', '') AS body) AS b,
+             LATERAL (SELECT set_config('lonnymq.hinted', 'on', true),
+                             pg_notify('lonnymq_hand_' || v_to.holder,
+                                       {schema}.handoff_signed_v1(v_to.secret, b.body))) AS n;
+        RETURN v_id;
+    END IF;
     WITH made AS (
         INSERT INTO {schema}.message (queue, channel, priority, attempts, arrival, txid,
                                       dequeue_at, locked_until, lock_token, expires_at, content)
@@ -187,10 +221,7 @@ BEGIN
                          || translate(encode(p_content, 'base64'), E'\n', '') AS body) AS b,
          LATERAL (SELECT set_config('lonnymq.hinted', 'on', true),
                          pg_notify('lonnymq_hand_' || v_to.holder,
-                                   encode(sha256(convert_to(v_to.secret, 'UTF8')
-                                                 || sha256(convert_to(v_to.secret || b.body,
-                                                                      'UTF8'))), 'hex')
-                                   || ' ' || b.body)) AS n;
+                                   {schema}.handoff_signed_v1(v_to.secret, b.body))) AS n;
     RETURN v_id;
 END;
 $$;

@@ -34,6 +34,9 @@ ALTER FUNCTION {schema}.sleep_v1(text[], text[], text[])
 ALTER FUNCTION {schema}.sleep_v2(text[], text[], text[], text[], text[], bigint, text, bigint, text[])
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
+ALTER FUNCTION {schema}.sleep_v3(text[], text[], text[], text[], text[], bigint, text, bigint, text[], text[])
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
+
 ALTER FUNCTION {schema}.message_publish_v2(text, text, text, text, bytea, integer, bigint, bigint, boolean)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
