@@ -81,12 +81,25 @@ LANGUAGE sql STABLE AS $$
            || ' ' || p_body
 $$;
 
+-- A hand-off's body (see handoff_v1): '<id> <lock token> <priority> <created at> <until>
+-- <queue length> <channel length> <queue><channel><content, base64>', times in epoch
+-- seconds. (A SQL function of one expression: inlined where it is used.)
+CREATE FUNCTION {schema}.handoff_body_v1(
+    p_id bigint, p_token text, p_priority integer, p_created timestamptz, p_until text,
+    p_queue text, p_channel text, p_content bytea
+) RETURNS text
+LANGUAGE sql STABLE AS $$
+    SELECT concat_ws(' ', p_id, p_token, p_priority, extract(epoch FROM p_created), p_until,
+                     length(p_queue), length(p_channel))
+           || ' ' || p_queue || p_channel || translate(encode(p_content, 'base64'), E'\n', '')
+$$;
+
 -- Hand a message due now to a consumer asleep on its queue (schema version 21): called by
 -- message_create_v1 in a publish that commits at once (message_publish_v2's p_handoff).
 -- RabbitMQ pushes a message to its consumer; here the consumer used to be woken by a NOTIFY
 -- and then dequeue it, a round trip after the commit. When a transport's LISTEN session
 -- sleeps on the queue with room to take it (it holds the key 'asleep <holder>' of it, see
--- sleep_v2) and no other transaction is handing it a message (the key 'handoff' of its
+-- sleep_v3) and no other transaction is handing it a message (the key 'handoff' of its
 -- holder, taken here until the commit), the message is created locked for it (as a take
 -- would lock it: attempts 1, its lock_ms; the lock token starts with the holder's id) and
 -- sent whole in a NOTIFY on its channel lonnymq_hand_<holder>: '<mac> <id> <lock token>
@@ -187,12 +200,11 @@ BEGIN
         )
         SELECT i.id INTO v_id
         FROM (SELECT nextval('{schema}.message_id_seq') AS id) AS i,
-             LATERAL (SELECT concat_ws(' ', i.id, '-', p_priority, extract(epoch FROM now()),
-                                       coalesce(extract(epoch FROM v_now + p_ttl_ms
-                                                        * interval '1 millisecond')::text, '-'),
-                                       length(p_queue), length(p_channel))
-                             || ' ' || p_queue || p_channel
-                             || translate(encode(p_content, 'base64'), E'\n', '') AS body) AS b,
+             LATERAL (SELECT {schema}.handoff_body_v1(
+                                 i.id, '-', p_priority, now(),
+                                 coalesce(extract(epoch FROM v_now + p_ttl_ms
+                                                  * interval '1 millisecond')::text, '-'),
+                                 p_queue, p_channel, p_content) AS body) AS b,
              LATERAL (SELECT set_config('lonnymq.hinted', 'on', true),
                              pg_notify('lonnymq_hand_' || v_to.holder,
                                        {schema}.handoff_signed_v1(v_to.secret, b.body))) AS n;
@@ -213,12 +225,10 @@ BEGIN
     )
     SELECT m.id INTO v_id
     FROM made m,
-         LATERAL (SELECT concat_ws(' ', m.id, m.lock_token, p_priority,
-                                   extract(epoch FROM m.created_at),
-                                   extract(epoch FROM m.locked_until), length(p_queue),
-                                   length(p_channel))
-                         || ' ' || p_queue || p_channel
-                         || translate(encode(p_content, 'base64'), E'\n', '') AS body) AS b,
+         LATERAL (SELECT {schema}.handoff_body_v1(
+                             m.id, m.lock_token::text, p_priority, m.created_at,
+                             extract(epoch FROM m.locked_until)::text, p_queue, p_channel,
+                             p_content) AS body) AS b,
          LATERAL (SELECT set_config('lonnymq.hinted', 'on', true),
                          pg_notify('lonnymq_hand_' || v_to.holder,
                                    {schema}.handoff_signed_v1(v_to.secret, b.body))) AS n;
