@@ -321,3 +321,42 @@ def test_a_client_of_version_22_is_handed_messages_with_a_row(
         token = note.payload.split(" ")[2]
         assert (token == "-") == (rows == 0), note.payload
         # (asleep again for the next round: the keys a hand-off needs are still held)
+
+
+@pytest.mark.parametrize("no_ack", [True, False], ids=["without-acks", "with-acks"])
+def test_the_hand_offs_helpers_cost_no_call(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str, no_ack: bool
+) -> None:
+    """The SQL functions that build and sign a hand-off's payload are inlined into
+    ``handoff_v1``'s statements: with ``track_functions`` on the publisher's session, a hand-off
+    counts calls of the publish's four plpgsql functions and of nothing else (a helper that
+    used its body argument twice was not inlined, and cost 120 us a call, planned at each)."""
+    consumer_conn = swept(make_connection())
+    (queue,) = declared(consumer_conn, "hq")
+    got = Got()
+    consumer_conn.Consumer([queue], callbacks=[got], accept=["json"], no_ack=no_ack).consume()
+    producer_conn = make_connection()
+    producer = producer_conn.Producer(serializer="json")
+    producer.publish("warm", routing_key="hq")
+    consumer_conn.drain_events(timeout=5)
+    if not no_ack:
+        got.messages["warm"].ack()
+    with contextlib.suppress(TimeoutError):
+        consumer_conn.drain_events(timeout=0.3)
+    assert asleep_on(conn, schema, "hq")
+    with producer_conn.default_channel.connection.pg.locked() as session:
+        session.execute("SET track_functions = 'all'")
+    producer.publish("handed", routing_key="hq")
+    consumer_conn.drain_events(timeout=5)
+    assert got.order == ["warm", "handed"]
+
+    def calls() -> dict[str, int]:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        rows = conn.execute(
+            "SELECT funcname, calls FROM pg_stat_user_functions WHERE schemaname = %s",
+            [schema],
+        ).fetchall()
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    wait_until(lambda: calls().get("handoff_v1", 0) >= 1)
+    assert set(calls()) == {"message_publish_v2", "route_v1", "message_create_v1", "handoff_v1"}
