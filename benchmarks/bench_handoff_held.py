@@ -73,7 +73,8 @@ def floor_consume(
         conn.execute("LISTEN bench_held_floor")
         ready.set()
         while not stop.is_set():
-            for note in conn.notifies(timeout=0.2, stop_after=1):
+            # (read first: the notifies generator holds the connection while it runs)
+            for note in list(conn.notifies(timeout=0.2, stop_after=1)):
                 conn.execute(sql.SQL("DELETE FROM {} WHERE id = %s").format(table), [note.payload])
                 body = int(note.payload)
                 got[body] = time.perf_counter()
