@@ -12,7 +12,7 @@ still waiting (a full prefetch window).
 A queue that this consumer takes without acks (schema version 23) is handed its messages
 without a row: nothing to delete or release (:attr:`Message.stored` false); one that cannot be
 delivered (its queue no longer consumed, or consumed with acks by now, the connection closing)
-is created again (``Transport.give_back``), its time to live what is left of it.
+is created again (``rounds.give_back``), its time to live what is left of it.
 
 Each LISTEN session has an id (``holder``) and a secret of its own, new with the session: a
 session the client lost may still hold its keys on the server for a while, and publishes
