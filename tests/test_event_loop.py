@@ -134,6 +134,8 @@ def test_loop_wakes_on_notify(
     assert received[0] - sent < 0.5
 
 
+# (slow: 7-10 s with its teardown; the full suite runs it, the per-version subsets do not)
+@pytest.mark.slow
 def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
     make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
 ) -> None:

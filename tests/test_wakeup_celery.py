@@ -209,6 +209,8 @@ def test_wakes_after_a_postgres_restart(tmp_path: Path, schema: str) -> None:
         server.cleanup()
 
 
+# (slow: 7-10 s with its teardown; the full suite runs it, the per-version subsets do not)
+@pytest.mark.slow
 def test_revoke_then_its_task_is_revoked(env: tcw.Env, start: Callable[..., tcw.Worker]) -> None:
     """``revoke(id)`` (a broadcast to the pidbox) followed at once by the task with that id
     (to the task queue), to an idle worker: the task never runs and ends REVOKED."""
@@ -226,6 +228,8 @@ def test_revoke_then_its_task_is_revoked(env: tcw.Env, start: Callable[..., tcw.
     assert not [tag for tag in stamps(env) if str(tag).startswith("revoked")], worker.log_tail()
 
 
+# (slow: 7-10 s with its teardown; the full suite runs it, the per-version subsets do not)
+@pytest.mark.slow
 def test_consumer_in_a_prefork_child_wakes(
     env: tcw.Env, start: Callable[..., tcw.Worker], conn: Conn
 ) -> None:
@@ -244,6 +248,8 @@ def test_consumer_in_a_prefork_child_wakes(
     assert got - sent < PICKUP_S, f"{(got - sent) * 1000:.1f} ms\n{worker.log_tail()}"
 
 
+# (slow: 7-10 s with its teardown; the full suite runs it, the per-version subsets do not)
+@pytest.mark.slow
 def test_retry_and_rpc_round_trips_are_prompt(
     env: tcw.Env, start: Callable[..., tcw.Worker]
 ) -> None:

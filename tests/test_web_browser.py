@@ -104,6 +104,8 @@ class Traffic:
         assert not self.thread.is_alive()
 
 
+# (slow: 7-10 s with its teardown; the full suite runs it, the per-version subsets do not)
+@pytest.mark.slow
 def test_overview_updates_without_reload_during_traffic(
     browser: Any, pg_dsn: str, schema: str, conn: Conn
 ) -> None:
@@ -193,6 +195,8 @@ def test_mounted_in_another_app(pg_dsn: str, schema: str, conn: Conn) -> None:
         web.state.lonnymq.close()
 
 
+# (slow: 7-10 s with its teardown; the full suite runs it, the per-version subsets do not)
+@pytest.mark.slow
 def test_pages_for_people_who_run_workers(
     browser: Any, pg_dsn: str, schema: str, conn: Conn, make_connection: Any
 ) -> None:
