@@ -28,6 +28,7 @@ from lonnymq.queue._ops import run
 from lonnymq.queue.dequeue import dequeue_op
 from lonnymq.queue.routing import publish_op
 from lonnymq.transport import transport as transport_module
+from tests.commit_modes import record_commit_modes
 from tests.invariants import assert_consistent
 from tests.test_counters import counters
 from tests.test_plans import Recorder
@@ -167,6 +168,54 @@ def test_the_message_is_created_locked_for_the_sleeping_session(
     assert handed_to(token, holder), token
     consumer_conn.drain_events(timeout=5)
     assert received.order == ["warm", "handed"]
+
+
+@pytest.mark.parametrize("handoff", [True, False], ids=["handed", "hinted"])
+def test_a_publish_that_wakes_a_consumer_commits_before_its_flush(
+    make_connection: Callable[..., Connection],
+    conn: Conn,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    handoff: bool,
+) -> None:
+    """``publish_commit="flush_after_wake"``, the default: a publish that hands its message
+    to a consumer asleep on its queue (or, without the hand-off, wakes it with the message's
+    id) commits without waiting for the WAL flush, so that the consumer is told at once, then
+    flushes on the same session before it returns (see
+    test_transport.test_the_flush_after_an_asynchronous_commit_makes_it_durable); one that
+    wakes nobody commits durably in one statement. (The setting each insert's transaction
+    commits with: tests/commit_modes.py.)"""
+    from lonnymq.queue import _ops
+    from lonnymq.transport import connection as tc
+
+    consumer_conn, received = consumer_of_hq(make_connection)
+    declared(consumer_conn, "cold")
+    modes = record_commit_modes(conn, schema)
+    producer_conn = make_connection(handoff=handoff)
+    assert producer_conn.transport.options.publish_commit == "flush_after_wake"
+    producer = producer_conn.Producer(serializer="json")
+    warm_then_idle(consumer_conn, producer)
+    assert asleep_on(conn, schema, "hq")
+    ran: list[tuple[int, bytes]] = []
+    plain = _ops.run
+
+    def recorded(pg: Any, op: Any) -> Any:
+        ran.append((id(pg), op.query))
+        return plain(pg, op)
+
+    monkeypatch.setattr(tc, "run", recorded)
+    producer.publish("woke", routing_key="hq")
+    assert len(ran) == 2, ran
+    assert b"lonnymq.hinted" in ran[0][1] and b"message_publish_v2" in ran[0][1]
+    assert ran[1][1].startswith(b"SELECT pg_logical_emit_message(true")
+    assert ran[0][0] == ran[1][0]  # the same session
+    assert modes()[0] == ("off", True)  # flushed when the publish returned
+    consumer_conn.drain_events(timeout=5)
+    assert received.order == ["warm", "woke"]
+    ran.clear()
+    producer.publish("nobody asleep", routing_key="cold")
+    assert len(ran) == 1, ran  # no flush: the publish was durable
+    assert modes()[0] == ("on", True)
 
 
 def test_two_consumers_never_get_one_message_twice(

@@ -239,15 +239,18 @@ def test_kombu_publishes_through_transaction_pooling(
         assert sorted(consume(consumer, "jobs", 50)) == list(range(50))
 
 
+@pytest.mark.parametrize("mode", ["flush_after", "flush_after_wake"])
 def test_a_publish_through_a_pooler_commits_durably_in_one_statement(
     pgbouncer: Callable[..., Bouncer],
     kombu: Callable[..., Connection],
     broker: lonnymq.Broker,
     conn: Conn,
     monkeypatch: pytest.MonkeyPatch,
+    mode: str,
 ) -> None:
-    """``publish_commit="flush_after"`` commits, then flushes with a second transaction of the
-    same session; a pooler may run the two on different server sessions (of a server that
+    """``publish_commit="flush_after"`` (and ``"flush_after_wake"``, the default, when the
+    publish wakes a consumer) commits, then flushes with a second transaction of the same
+    session; a pooler may run the two on different server sessions (of a server that
     restarted in between, whose flush says nothing of the first), so through one the publish
     is one durable statement."""
     from lonnymq.queue import _ops
@@ -262,7 +265,7 @@ def test_a_publish_through_a_pooler_commits_durably_in_one_statement(
 
     monkeypatch.setattr(tc, "run", recorded)
     bouncer = pgbouncer(pool_size=2)
-    with kombu(bouncer.url(), publish_commit="flush_after") as producer:
+    with kombu(bouncer.url(), publish_commit=mode) as producer:
         jobs = producer.SimpleQueue("durable")
         jobs.put({"i": 0})
         queries.clear()

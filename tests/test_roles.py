@@ -6,6 +6,7 @@ the test's superuser, who owns it."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,13 +14,16 @@ from typing import Any
 
 import psycopg
 import pytest
+from kombu.entity import Queue
 from psycopg import errors as pgerrors
 from psycopg import sql
 
 import lonnymq
 from lonnymq import PermissionDenied
 from tests.apps import close_app
+from tests.commit_modes import record_commit_modes
 from tests.conftest import dsn_as, kombu_as
+from tests.test_wakeup import asleep_on
 
 Conn = psycopg.Connection[Any]
 
@@ -132,6 +136,39 @@ def test_kombu_producer_and_consumer_roles(
 
 
 @pytest.mark.slow
+def test_a_producer_role_hands_off_to_a_sleeping_worker_role(
+    roles: dict[str, str], schema: str, pg_dsn: str, conn: Conn
+) -> None:
+    """A producer role's publish to a worker role's consumer asleep on the queue: handed off,
+    committed without waiting for the WAL flush, and flushed (a transactional logical
+    message, which the role may write) before the publish returned (publish_commit=
+    "flush_after_wake", the default)."""
+    modes = record_commit_modes(conn, schema)
+    got: list[Any] = []
+
+    def take(body: Any, message: Any) -> None:
+        got.append(body)
+        message.ack()
+
+    with (
+        kombu_as(pg_dsn, roles["worker"], schema) as worker,
+        kombu_as(pg_dsn, roles["producer"], schema) as producer,
+    ):
+        queue = Queue("hjobs")
+        queue(worker.default_channel).declare()
+        worker.Consumer([queue], callbacks=[take], accept=["json"]).consume()
+        publisher = producer.Producer(serializer="json")
+        publisher.publish("warm", routing_key="hjobs")
+        worker.drain_events(timeout=5)
+        with contextlib.suppress(TimeoutError):
+            worker.drain_events(timeout=0.3)
+        assert asleep_on(conn, schema, "hjobs")
+        publisher.publish("woke", routing_key="hjobs")
+        assert modes()[0] == ("off", True)
+        worker.drain_events(timeout=5)
+    assert got == ["warm", "woke"]
+
+
 def test_grant_cli(roles: dict[str, str], schema: str, pg_dsn: str, conn: Conn) -> None:
     role = roles["nobody"]
     out = subprocess.run(

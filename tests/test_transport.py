@@ -19,6 +19,7 @@ from psycopg import sql
 
 import lonnymq
 from lonnymq.transport import Transport
+from tests.commit_modes import record_commit_modes
 from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
@@ -825,6 +826,32 @@ def test_the_flush_after_an_asynchronous_commit_makes_it_durable(
         assert flushed == (True,), i
 
 
+def test_a_publish_that_woke_nobody_commits_durably_in_one_statement(
+    make_connection: Callable[..., Connection], schema: str
+) -> None:
+    """``async_commit_if_woke`` (publish_commit="flush_after_wake") reads the setting the
+    publish's own transaction left: ``lonnymq.hinted`` on (as a hand-off or a hint leaves
+    it; here set for the session) means it woke a consumer and commits with
+    synchronous_commit off, which the caller then flushes; off, it commits durably and says
+    so. The session's own setting stays durable."""
+    from lonnymq.queue._ops import async_commit_if_woke, run
+    from lonnymq.queue.routing import publish_op
+
+    connection = make_connection()
+    connection.SimpleQueue("woke").close()  # declared, the schema installed
+    pg = connection.transport.pg.connection()
+    modes = record_commit_modes(pg, schema)
+    for hinted in ("", "on"):
+        pg.execute("SELECT set_config('lonnymq.hinted', %s, false)", [hinted])
+        op = publish_op(schema, "", "woke", b'{"body": "x"}', max_message_bytes=1 << 20)
+        routed, woke = run(pg, async_commit_if_woke(op))
+        assert [r[:2] for r in routed.results] == [("woke", "created")]
+        assert woke is bool(hinted)
+        assert modes()[0][0] == ("off" if hinted else "on")
+    pg.execute("SELECT set_config('lonnymq.hinted', '', false)")
+    assert pg.execute("SHOW synchronous_commit").fetchone() == ("on",)
+
+
 def test_publish_commit_flush_after_commits_then_flushes_on_the_same_session(
     make_connection: Callable[..., Connection],
     conn: Conn,
@@ -1113,7 +1140,11 @@ def test_refill_waits_refill_delay_only_when_holding_more_than_half(
 
 @pytest.mark.parametrize(
     ("publish_commit", "expected"),
-    [("flush_first", ["off", "on", "on", "on"]), ("flush_after", ["off", "off", "off", "on"])],
+    [
+        ("flush_first", ["off", "on", "on", "on"]),
+        ("flush_after_wake", ["off", "on", "on", "on"]),
+        ("flush_after", ["off", "off", "off", "on"]),
+    ],
 )
 def test_transient_messages_do_not_wait_for_the_wal_flush(
     make_connection: Callable[..., Connection],
@@ -1129,25 +1160,12 @@ def test_transient_messages_do_not_wait_for_the_wal_flush(
     "flush_first"``, with it off and then flushed with ``"flush_after"`` (see
     test_publish_commit_flush_after_commits_then_flushes_on_the_same_session), and one
     published in the caller's transaction with the caller's setting. Each is delivered
-    alike. (Seen by a trigger on the message table that records the setting of the
-    transaction that inserts.)"""
+    alike; with ``"flush_after_wake"`` (the default) as with ``"flush_first"`` when, as
+    here, no consumer sleeps on the queue. (Seen by a trigger on the message table, deferred
+    to the commit: tests/commit_modes.py.)"""
     connection = make_connection(publish_commit=publish_commit)
     with connection.SimpleQueue("modes") as simple:  # declares it, and installs the schema
-        s = sql.Identifier(schema)
-        conn.execute(sql.SQL("CREATE TABLE {}.seen (id bigint, mode text)").format(s))
-        conn.execute(
-            sql.SQL(
-                "CREATE FUNCTION {s}.record_mode() RETURNS trigger LANGUAGE plpgsql AS $$ "
-                "BEGIN INSERT INTO {s}.seen VALUES (NEW.id, "
-                "current_setting('synchronous_commit')); RETURN NEW; END $$"
-            ).format(s=s)
-        )
-        conn.execute(
-            sql.SQL(
-                "CREATE TRIGGER record_mode AFTER INSERT ON {s}.message "
-                "FOR EACH ROW EXECUTE FUNCTION {s}.record_mode()"
-            ).format(s=s)
-        )
+        modes = record_commit_modes(conn, schema)
         producer = connection.Producer(serializer="json")
         for body, mode in (("t", "transient"), ("p", "persistent"), ("d", None)):
             producer.publish(body, routing_key="modes", delivery_mode=mode)
@@ -1160,5 +1178,4 @@ def test_transient_messages_do_not_wait_for_the_wal_flush(
             message.ack()
     assert sorted(got) == sorted(["t", "p", "d", "in-txn"])
     # (in the order published: t, p, d, in-txn)
-    modes = conn.execute(sql.SQL("SELECT mode FROM {}.seen ORDER BY id").format(s)).fetchall()
-    assert [m for (m,) in modes] == expected
+    assert [mode for mode, _ in reversed(modes())] == expected

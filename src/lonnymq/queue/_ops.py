@@ -84,6 +84,28 @@ def async_commit(op: Op[T]) -> Op[T]:
     return Op(op.schema, _ASYNC_COMMIT + op.query + b") AS q", op.params, op.parse)
 
 
+_ASYNC_COMMIT_IF_WOKE = (
+    b"SELECT q.*, CASE WHEN current_setting('lonnymq.hinted', true) = 'on' "
+    b"THEN set_config('synchronous_commit', 'off', true) IS NOT NULL ELSE false END "
+    b"FROM ("
+)
+
+
+def async_commit_if_woke(op: Op[T]) -> Op[tuple[T, bool]]:
+    """``op``, a publish that is its own transaction (an autocommit connection), committing
+    with ``synchronous_commit = off`` when it woke a consumer asleep on a queue it reached
+    (its first create due now handed its message to it or sent it the message's id: the
+    transaction's setting ``lonnymq.hinted``, see handoff_v1 and wake_v2), durably
+    otherwise; and whether it did, so that the caller runs ``flush_op`` before the publish
+    returns. (The setting is read as the function's rows are projected, after it ran to its
+    end, and a setting changed before the commit is the one the commit obeys.)"""
+
+    def parse(rows: Rows) -> tuple[T, bool]:
+        return op.parse([row[:-1] for row in rows]), any(row[-1] for row in rows)
+
+    return Op(op.schema, _ASYNC_COMMIT_IF_WOKE + op.query + b") AS q", op.params, parse)
+
+
 def flush_op(schema: str) -> Op[None]:
     """Wait until every commit before it is flushed to the WAL (durable), so that an
     ``async_commit`` of this session before it is durable when it returns. A transaction

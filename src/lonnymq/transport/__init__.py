@@ -56,7 +56,7 @@ Transport options (``transport_options`` / Celery ``broker_transport_options``):
 ``refill_delay`` (0.005 s), ``batch_size`` (100), ``auto_install`` (True),
 ``max_message_bytes`` (8 MiB),
 ``expire_interval`` (10 s), ``consumer_commit`` (``"async"``), ``publish_commit``
-(``"flush_first"``), ``connect_timeout``,
+(``"flush_after_wake"``), ``connect_timeout``,
 ``policies`` (channel policies and queue settings declared in configuration, applied when a
 process first connects), ``metrics_port`` (serve the consuming process's Prometheus metrics).
 Log events: the ``lonnymq.events`` logger (see :mod:`lonnymq.logs`).

@@ -143,10 +143,13 @@ class Channel(TopologyChannel):
             # RabbitMQ restart loses every transient message. Persistent ones (kombu's
             # default) are durable when the publish returns.
             routed = self._run(async_commit(op))
-        elif self.options.publish_commit == "flush_after":
+        elif self.options.publish_commit != "flush_first":
             # visible (and notified) at its commit, durable before the publish returns: the
-            # fsync is not between the publish and its consumer (see publish_commit)
-            routed = self.connection.pg.run_flushed(op)
+            # fsync is not between the publish and its consumer (see publish_commit); with
+            # "flush_after_wake" (the default) only when the publish woke one
+            routed = self.connection.pg.run_flushed(
+                op, only_if_woke=self.options.publish_commit == "flush_after_wake"
+            )
         else:
             routed = self._run(op)
         if caller is None:  # never while the caller's transaction is open

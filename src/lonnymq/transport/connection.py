@@ -31,7 +31,7 @@ from .. import migrator
 from ..dsn import mask_password
 from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
 from ..queue._checks import MAX_ID
-from ..queue._ops import Op, async_commit, flush_op, run, translate
+from ..queue._ops import Op, async_commit, async_commit_if_woke, flush_op, run, translate
 from ..queue.dequeue import Message
 from . import pooler, sweep
 from .handoff import Handoffs
@@ -182,20 +182,27 @@ class PgClient(_Forkable):
         """Run one operation, reconnecting first if the connection was lost."""
         return self._call(lambda conn: run(conn, op))
 
-    def run_flushed(self, op: Op[T]) -> T:
+    def run_flushed(self, op: Op[T], *, only_if_woke: bool = False) -> T:
         """Run ``op`` (one statement, its own transaction) so that it is durable when this
         returns, and visible before it is flushed: committed without waiting for the WAL
         flush, then a flushing transaction (``flush_op``) commits on the same session (its
-        flush covers the first). Never on a new session: a flush there would not say whether
-        a server that restarted meanwhile still has what ``op`` did (a lost connection
-        raises). Through a pooler, which may run the two on different server sessions (of a
-        server that restarted in between), ``op`` commits durably in one transaction."""
+        flush covers the first). ``only_if_woke`` (``op`` is a publish): so only when it woke
+        a consumer asleep on a queue it reached, in one durable transaction otherwise
+        (``async_commit_if_woke``). Never on a new session: a flush there would not say
+        whether a server that restarted meanwhile still has what ``op`` did (a lost
+        connection raises). Through a pooler, which may run the two on different server
+        sessions (of a server that restarted in between), ``op`` commits durably in one
+        transaction."""
 
         def work(conn: psycopg.Connection[Any]) -> T:
             if pooler.pooled(conn):
                 return run(conn, op)
-            result = run(conn, async_commit(op))
-            run(conn, flush_op(op.schema))
+            if only_if_woke:
+                result, woke = run(conn, async_commit_if_woke(op))
+            else:
+                result, woke = run(conn, async_commit(op)), True
+            if woke:
+                run(conn, flush_op(op.schema))
             return result
 
         return self._call(work)

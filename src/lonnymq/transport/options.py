@@ -88,17 +88,20 @@ class Options:
     #: for the WAL flush.
     consumer_commit: str = "async"
     #: How a persistent message's publish commits (not in a caller's transaction, see
-    #: lonnymq.transaction): "flush_first", one transaction, visible to consumers once its
-    #: commit is flushed; or "flush_after": committed without waiting for the WAL flush, so
-    #: that consumers see the message (and a sleeping one is notified) at once, then the
-    #: flush waited for in a second transaction on the same session (a transactional logical
-    #: message, prefix "lonnymq.flush") before the publish returns. Either way a publish
-    #: that returned is durable. With "flush_after" a consumer may start a message before it
-    #: is flushed (a database crash in that window makes the publish raise; a retried one
-    #: runs it again: at-least-once), a delivery comes 0.2-0.7 ms sooner here, and the
-    #: publish costs a round trip and a transaction ID more (a third fewer publishes per
-    #: second back to back). Through a pooler, always "flush_first".
-    publish_commit: str = "flush_first"
+    #: lonnymq.transaction). "flush_after_wake" (the default): when the publish woke a
+    #: consumer asleep on a queue it reached (handed it the message, or sent it the message's
+    #: id), it commits without waiting for the WAL flush, so that the consumer is told at
+    #: once, then waits for the flush in a second statement on the same session before it
+    #: returns; otherwise it is one durable transaction. "flush_first": always one durable
+    #: transaction, visible to consumers once its commit is flushed. "flush_after": always
+    #: committed without the wait, then flushed in a second statement. The flush is a
+    #: transaction that writes a transactional logical message (prefix "lonnymq.flush",
+    #: empty), whose commit waits for the flush, which covers the first. Either way a publish
+    #: that returned is durable; when it is visible first, a consumer may start a message
+    #: before it is durable (a database crash or a cut connection in that window makes the
+    #: publish raise; a retried one runs it again: at-least-once). The second statement is a
+    #: round trip more for the publisher. Through a pooler, always "flush_first".
+    publish_commit: str = "flush_after_wake"
     #: Seconds to wait for a connection to Postgres.
     connect_timeout: float | None = None
     #: libpq parameters kombu's Connection has no field for (``{"sslmode": "require"}``,
@@ -180,9 +183,10 @@ class Options:
         _integer("batch_size", self.batch_size, 1, 10_000)
         if self.consumer_commit not in ("async", "sync"):
             raise ConfigurationError('transport option consumer_commit must be "async" or "sync"')
-        if self.publish_commit not in ("flush_after", "flush_first"):
+        if self.publish_commit not in ("flush_after", "flush_after_wake", "flush_first"):
             raise ConfigurationError(
-                'transport option publish_commit must be "flush_after" or "flush_first"'
+                'transport option publish_commit must be "flush_after_wake", "flush_after" '
+                'or "flush_first"'
             )
         if self.policies is not None:
             _policies(self.policies)
