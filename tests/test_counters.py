@@ -162,7 +162,9 @@ def test_counters_exact_after_a_mixed_workload(
     )
     assert status.channels == 1  # f; d's row stays (a policy) but holds nothing
     assert channel_rows(conn, broker.schema) == ["d", "f", "o1", "o2"]
-    assert counter_rows(conn, broker.schema, "default") > 1
+    # (the tallies may or may not be folded by now: a status folds them when the last fold is
+    # a second old, which a loaded machine reaches within this test; the totals above and
+    # below hold either way)
     other_before = counters(broker, conn, "other")
     assert other_before == Counters(3, 2, 0, 1, 0, 0, 0, 0)
 

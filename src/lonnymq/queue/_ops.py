@@ -85,9 +85,11 @@ def async_commit(op: Op[T]) -> Op[T]:
 
 
 _ASYNC_COMMIT_IF_WOKE = (
-    b"SELECT q.*, CASE WHEN current_setting('lonnymq.hinted', true) = 'on' "
+    b"SELECT q.*, CASE WHEN current_setting('lonnymq.hinted', true) = 'on' THEN "
+    b"CASE WHEN has_function_privilege("
+    b"'pg_catalog.pg_logical_emit_message(boolean, text, bytea)', 'EXECUTE') "
     b"THEN set_config('synchronous_commit', 'off', true) IS NOT NULL ELSE false END "
-    b"FROM ("
+    b"ELSE false END FROM ("
 )
 
 
@@ -98,7 +100,9 @@ def async_commit_if_woke(op: Op[T]) -> Op[tuple[T, bool]]:
     transaction's setting ``lonnymq.hinted``, see handoff_v1 and wake_v2), durably
     otherwise; and whether it did, so that the caller runs ``flush_op`` before the publish
     returns. (The setting is read as the function's rows are projected, after it ran to its
-    end, and a setting changed before the commit is the one the commit obeys.)"""
+    end, and a setting changed before the commit is the one the commit obeys. Not where the
+    role may not write the flush's logical message, which a hardened server may revoke: its
+    publish would raise after its commit, and a retry run the message twice.)"""
 
     def parse(rows: Rows) -> tuple[T, bool]:
         return op.parse([row[:-1] for row in rows]), any(row[-1] for row in rows)
