@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 Conn = psycopg.Connection[Any]
@@ -45,3 +46,20 @@ def record_commit_modes(conn: Conn, schema: str) -> Callable[[], list[tuple[str,
         return [(str(mode), bool(flushed)) for mode, flushed in conn.execute(query).fetchall()]
 
     return read
+
+
+def recorded_statements(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bytes]]:
+    """From now on, (session, query) of each statement the transport's command connections
+    run (``lonnymq.transport.connection``'s ``run``), in order."""
+    from lonnymq.queue import _ops
+    from lonnymq.transport import connection
+
+    ran: list[tuple[int, bytes]] = []
+    plain = _ops.run
+
+    def recorded(pg: Any, op: Any) -> Any:
+        ran.append((id(pg), op.query))
+        return plain(pg, op)
+
+    monkeypatch.setattr(connection, "run", recorded)
+    return ran

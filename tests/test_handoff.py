@@ -28,7 +28,7 @@ from lonnymq.queue._ops import run
 from lonnymq.queue.dequeue import dequeue_op
 from lonnymq.queue.routing import publish_op
 from lonnymq.transport import transport as transport_module
-from tests.commit_modes import record_commit_modes
+from tests.commit_modes import record_commit_modes, recorded_statements
 from tests.invariants import assert_consistent
 from tests.test_counters import counters
 from tests.test_plans import Recorder
@@ -185,9 +185,6 @@ def test_a_publish_that_wakes_a_consumer_commits_before_its_flush(
     test_transport.test_the_flush_after_an_asynchronous_commit_makes_it_durable); one that
     wakes nobody commits durably in one statement. (The setting each insert's transaction
     commits with: tests/commit_modes.py.)"""
-    from lonnymq.queue import _ops
-    from lonnymq.transport import connection as tc
-
     consumer_conn, received = consumer_of_hq(make_connection)
     declared(consumer_conn, "cold")
     modes = record_commit_modes(conn, schema)
@@ -196,14 +193,7 @@ def test_a_publish_that_wakes_a_consumer_commits_before_its_flush(
     producer = producer_conn.Producer(serializer="json")
     warm_then_idle(consumer_conn, producer)
     assert asleep_on(conn, schema, "hq")
-    ran: list[tuple[int, bytes]] = []
-    plain = _ops.run
-
-    def recorded(pg: Any, op: Any) -> Any:
-        ran.append((id(pg), op.query))
-        return plain(pg, op)
-
-    monkeypatch.setattr(tc, "run", recorded)
+    ran = recorded_statements(monkeypatch)
     producer.publish("woke", routing_key="hq")
     assert len(ran) == 2, ran
     assert b"lonnymq.hinted" in ran[0][1] and b"message_publish_v2" in ran[0][1]

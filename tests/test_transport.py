@@ -19,7 +19,7 @@ from psycopg import sql
 
 import lonnymq
 from lonnymq.transport import Transport
-from tests.commit_modes import record_commit_modes
+from tests.commit_modes import record_commit_modes, recorded_statements
 from tests.conftest import lonnymq_url
 
 Conn = psycopg.Connection[Any]
@@ -861,19 +861,10 @@ def test_publish_commit_flush_after_commits_then_flushes_on_the_same_session(
     """``publish_commit="flush_after"``: the publish commits without the WAL flush's wait
     (visible to consumers at once), then a flushing transaction commits on the same session
     (see test_the_flush_after_an_asynchronous_commit_makes_it_durable) before the publish
-    returns; ``"flush_first"`` (the default): one durable statement. Transient messages
-    commit asynchronously either way, and the session's own setting stays durable."""
-    from lonnymq.queue import _ops
-    from lonnymq.transport import connection as tc
-
-    ran: list[tuple[int, bytes]] = []
-    plain = _ops.run
-
-    def recorded(pg: Any, op: Any) -> Any:
-        ran.append((id(pg), op.query))
-        return plain(pg, op)
-
-    monkeypatch.setattr(tc, "run", recorded)
+    returns; ``"flush_first"``: one durable statement (as ``"flush_after_wake"``, the
+    default, when the publish wakes nobody: test_handoff). Transient messages commit
+    asynchronously either way, and the session's own setting stays durable."""
+    ran = recorded_statements(monkeypatch)
     for mode in ("flush_after", "flush_first"):
         c = make_connection(publish_commit=mode)
         producer = c.Producer()

@@ -86,8 +86,10 @@ def async_commit(op: Op[T]) -> Op[T]:
 
 _ASYNC_COMMIT_IF_WOKE = (
     b"SELECT q.*, CASE WHEN current_setting('lonnymq.hinted', true) = 'on' THEN "
-    b"CASE WHEN has_function_privilege("
-    b"'pg_catalog.pg_logical_emit_message(boolean, text, bytea)', 'EXECUTE') "
+    # (the bytea form: (boolean, text, bytea) before Postgres 17, with a flush argument since)
+    b"CASE WHEN (SELECT bool_or(has_function_privilege(p.oid, 'EXECUTE')) "
+    b"FROM pg_catalog.pg_proc p WHERE p.proname = 'pg_logical_emit_message' "
+    b"AND p.pronamespace = 'pg_catalog'::regnamespace AND p.proargtypes[2] = 'bytea'::regtype) "
     b"THEN set_config('synchronous_commit', 'off', true) IS NOT NULL ELSE false END "
     b"ELSE false END FROM ("
 )
