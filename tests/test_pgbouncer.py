@@ -34,6 +34,7 @@ from psycopg.conninfo import conninfo_to_dict
 import lonnymq
 import lonnymq.celery
 from tests.apps import close_app
+from tests.commit_modes import recorded_statements
 from tests.conftest import free_port, lonnymq_url
 from tests.test_celery_worker import (
     WHEN_TASK,
@@ -253,24 +254,15 @@ def test_a_publish_through_a_pooler_commits_durably_in_one_statement(
     session; a pooler may run the two on different server sessions (of a server that
     restarted in between, whose flush says nothing of the first), so through one the publish
     is one durable statement."""
-    from lonnymq.queue import _ops
-    from lonnymq.transport import connection as tc
-
-    queries: list[bytes] = []
-    plain = _ops.run
-
-    def recorded(pg: Any, op: Any) -> Any:
-        queries.append(op.query)
-        return plain(pg, op)
-
-    monkeypatch.setattr(tc, "run", recorded)
+    ran = recorded_statements(monkeypatch)
     bouncer = pgbouncer(pool_size=2)
     with kombu(bouncer.url(), publish_commit=mode) as producer:
         jobs = producer.SimpleQueue("durable")
         jobs.put({"i": 0})
-        queries.clear()
+        ran.clear()
         jobs.put({"i": 1})
         jobs.close()
+    queries = [query for _, query in ran]
     assert len(queries) == 1 and b"message_publish_v2" in queries[0], queries
     assert b"synchronous_commit" not in queries[0]
     assert waiting(broker, conn, "durable") == 2

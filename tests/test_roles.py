@@ -135,7 +135,6 @@ def test_kombu_producer_and_consumer_roles(
     assert lonnymq.Queue("kjobs", schema=schema).stats(conn).total == 0
 
 
-@pytest.mark.slow
 def test_a_producer_role_hands_off_to_a_sleeping_worker_role(
     roles: dict[str, str], schema: str, pg_dsn: str, conn: Conn
 ) -> None:
@@ -169,6 +168,7 @@ def test_a_producer_role_hands_off_to_a_sleeping_worker_role(
     assert got == ["warm", "woke"]
 
 
+@pytest.mark.slow
 def test_grant_cli(roles: dict[str, str], schema: str, pg_dsn: str, conn: Conn) -> None:
     role = roles["nobody"]
     out = subprocess.run(

@@ -826,7 +826,7 @@ def test_the_flush_after_an_asynchronous_commit_makes_it_durable(
         assert flushed == (True,), i
 
 
-def test_a_publish_that_woke_nobody_commits_durably_in_one_statement(
+def test_a_publish_commits_asynchronously_only_when_its_transaction_woke_a_consumer(
     make_connection: Callable[..., Connection], schema: str
 ) -> None:
     """``async_commit_if_woke`` (publish_commit="flush_after_wake") reads the setting the
