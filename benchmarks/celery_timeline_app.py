@@ -1,12 +1,16 @@
 # mypy: allow-untyped-calls
-"""``celery_wakeup_app`` with marks in the worker's main process, for ``bench_timeline.py``.
+"""``celery_wakeup_app`` with marks in the worker's processes, for ``bench_timeline.py``.
 
 Each mark is a line ``tag wall-clock pid`` appended (one ``write`` on an ``O_APPEND`` file) to
 ``$BENCH_TIMELINE_MARKS``: ``received`` when Celery's consumer is handed a task message (its
-``on_task_received``); for lonnymq also ``notified`` (the LISTEN connection's notification
-read for a consumed queue), ``dequeue`` / ``dequeued`` (a dequeue that brought messages:
-start and end) and ``delivered`` (the transport hands a message to kombu). Benchmarks only:
-it wraps Celery's and the transport's functions in the worker process.
+``on_task_received``); ``started`` when a task starts in its pool process, ``reply`` and
+``replied`` around its result's publish to an ``rpc://`` reply queue; for lonnymq also
+``notified`` (the LISTEN connection's notification read for a consumed queue), ``dequeue`` /
+``dequeued`` (a dequeue that brought messages: start and end) and ``delivered`` (the
+transport hands a message to kombu), ``sql`` / ``sql done`` around each statement (with
+``$BENCH_TIMELINE_SQL`` set, also a mark ``Q<the statement's start>``). Benchmarks only:
+it wraps Celery's and the transport's functions in the worker's processes (and
+:func:`mark_transport` in a client's).
 """
 
 from __future__ import annotations
@@ -15,16 +19,17 @@ import os
 import time
 from typing import Any
 
+from celery import signals
+from celery.backends import rpc as celery_rpc
 from celery.worker.consumer import consumer as celery_consumer
 from celery_wakeup_app import app  # (the app the worker runs)
 
-MARKS = os.environ.get("BENCH_TIMELINE_MARKS", "")
-
 
 def mark(tag: str, at: float | None = None) -> None:
-    if not MARKS:
+    marks = os.environ.get("BENCH_TIMELINE_MARKS", "")
+    if not marks:
         return
-    fd = os.open(MARKS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(marks, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         when = time.time() if at is None else at
         os.write(fd, b"%s %.6f %d\n" % (tag.encode(), when, os.getpid()))
@@ -47,7 +52,30 @@ def create_task_handler(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 celery_consumer.Consumer.create_task_handler = create_task_handler
 
-if app.conf.broker_url.startswith("lonnymq"):
+
+def task_prerun(**kwargs: Any) -> None:
+    mark("started")
+
+
+signals.task_prerun.connect(task_prerun, weak=False)
+
+
+_store_result = celery_rpc.RPCBackend.store_result
+
+
+def store_result(self: Any, *args: Any, **kwargs: Any) -> Any:
+    mark("reply")
+    try:
+        return _store_result(self, *args, **kwargs)
+    finally:
+        mark("replied")
+
+
+celery_rpc.RPCBackend.store_result = store_result
+
+
+def mark_transport() -> None:
+    """Marks in lonnymq's transport of this process (see the module's docstring)."""
     from lonnymq.transport import connection as lq_connection
     from lonnymq.transport import transport as lq_transport
 
@@ -73,6 +101,24 @@ if app.conf.broker_url.startswith("lonnymq"):
         mark("delivered")
         _deliver(self, message, queue)
 
+    import psycopg
+
+    _execute = psycopg.Cursor.execute
+
+    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mark("sql")
+        if os.environ.get("BENCH_TIMELINE_SQL"):
+            mark("Q" + str(args[0])[:60].replace(" ", "_").replace("\n", "_"))
+        try:
+            return _execute(self, *args, **kwargs)
+        finally:
+            mark("sql done")
+
+    psycopg.Cursor.execute = execute  # type: ignore[method-assign]
     lq_connection.Waiter.notified = notified  # type: ignore[method-assign]
     lq_transport.Transport.ack_and_dequeue = ack_and_dequeue  # type: ignore[method-assign]
     lq_transport.Transport._deliver = deliver  # type: ignore[method-assign]
+
+
+if app.conf.broker_url.startswith("lonnymq"):
+    mark_transport()

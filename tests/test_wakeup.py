@@ -529,3 +529,34 @@ def test_idle_consumer_makes_no_round_trip(
     # says so: schema version 19), and sleeps again without another look; the other two
     # sleep on
     assert woken.count("dequeue") == 1, woken
+
+
+def test_notifications_read_while_the_listen_session_runs_a_statement_are_not_lost(
+    pg_dsn: str, connect: Callable[..., psycopg.Connection[Any]]
+) -> None:
+    """The LISTEN session also runs statements (the sleep keys): what psycopg reads during
+    one (its notify handler) is reported by that run, what the socket holds after it by the
+    next read; each once."""
+    from lonnymq.queue._ops import Op
+
+    channel = "lonnymq_test_read"
+    waiter = Waiter(pg_dsn, channel)
+    try:
+        listen, _ = waiter.listening()
+        assert listen is not None
+        own = Op("public", b"SELECT pg_notify(%s, 'mine')", (channel,), lambda rows: None)
+        ran = waiter.run(own, {"mine", "theirs"})
+        assert ran is not None and ran[1] == {"mine"}  # (its own NOTIFY, read by the run)
+        other = connect()
+        other.execute("SELECT pg_notify(%s, 'theirs')", (channel,))
+        slept = Op("public", b"SELECT pg_sleep(0.2)", (), lambda rows: None)
+        ran = waiter.run(slept, {"mine", "theirs"})
+        assert ran is not None
+        # (read during the statement, or after it: a backend sends notifications when idle)
+        assert (ran[1] or waiter.wait(2.0, {"mine", "theirs"})) == {"theirs"}
+        assert waiter.notified({"mine", "theirs"}) == set()
+        other.execute("SELECT pg_notify(%s, 'theirs')", (channel,))
+        assert waiter.wait(2.0, {"mine", "theirs"}) == {"theirs"}
+        assert waiter.notified({"mine", "theirs"}) == set()
+    finally:
+        waiter.dispose()
