@@ -35,6 +35,7 @@ from ..queue._ops import Op, async_commit, async_commit_if_woke, flush_op, run, 
 from ..queue.dequeue import Message
 from . import pooler, sweep
 from .handoff import Handoffs
+from .notifications import Arrivals
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
@@ -270,9 +271,7 @@ class Waiter(_Forkable):
         self.connect_timeout = connect_timeout
         self.listen = listen
         self._conn = None
-        #: notifications psycopg read while a statement ran on the session (see :meth:`_read`)
-        self._arrived: list[psycopg.Notify] = []
-        self._encoding = "utf-8"
+        self._arrivals = Arrivals()
         self._hints: dict[str, set[int]] = {}
         # (its own lock: the fetch takes hints while another thread may wait on LISTEN)
         self._hints_lock = threading.Lock()
@@ -293,7 +292,7 @@ class Waiter(_Forkable):
         super()._after_fork()
         self._pipe = self._new_pipe()  # the parent's pipe stays the parent's
         self._hints_lock = threading.Lock()
-        self._hints, self._arrived = {}, []  # (the parent's LISTEN session's)
+        self._hints, self._arrivals = {}, Arrivals()  # (the parent's LISTEN session's)
         if self.handoffs is not None:  # (the parent's to deliver)
             self.handoffs = Handoffs(self.handoffs.schema)
 
@@ -314,11 +313,6 @@ class Waiter(_Forkable):
             while os.read(self._pipe[0], 4096):
                 got = True
         return got
-
-    def _arrived_while_busy(self, n: psycopg.Notify) -> None:
-        """psycopg's notify handler: a notification read while a statement ran on the LISTEN
-        session (it holds the lock), for the next :meth:`_read`."""
-        self._arrived.append(n)
 
     def listening(self) -> tuple[psycopg.Connection[Any] | None, bool]:
         """The LISTEN connection, opened if needed (None: ``listen`` is off, or LISTEN is
@@ -368,7 +362,7 @@ class Waiter(_Forkable):
             try:
                 found = set()
                 woken: set[str] = set()  # (by something else than a hand-off)
-                for n in self._read(conn):
+                for n in self._arrivals.read(conn):
                     if self.handoffs is not None and n.channel == self.handoffs.channel:
                         handed = self.handoffs.receive(n.payload, queues)
                         if handed is not None:
@@ -392,23 +386,6 @@ class Waiter(_Forkable):
                 logger.warning("lonnymq: LISTEN connection lost (%s); reconnecting", exc)
                 self.close()
                 return set(queues)
-
-    def _read(self, conn: psycopg.Connection[Any]) -> list[psycopg.Notify]:
-        """The notifications that arrived, without blocking: those psycopg read while a
-        statement ran on the session (its notify handler keeps them), then those the socket
-        holds, read with libpq's own calls. (psycopg's ``notifies(timeout=0)`` sets up a wait
-        at each call: 0.1-0.2 ms of an idle consumer's wake-up, measured.) Raises
-        ``psycopg.OperationalError`` when the connection is lost. The caller holds the
-        lock."""
-        pgconn = conn.pgconn
-        pgconn.consume_input()
-        arrived, self._arrived = self._arrived, []
-        while (n := pgconn.notifies()) is not None:
-            encoding = self._encoding
-            arrived.append(
-                psycopg.Notify(n.relname.decode(encoding), n.extra.decode(encoding), n.be_pid)
-            )
-        return arrived
 
     def _hint(self, queue: str, ident: str) -> None:
         """Keep a hint's id (any NOTIFY on the channel is read: what is not a message id is
@@ -449,8 +426,7 @@ class Waiter(_Forkable):
             )
             if self.handoffs is not None:
                 self.handoffs.adopt(conn)
-            self._arrived, self._encoding = [], conn.info.encoding
-            conn.add_notify_handler(self._arrived_while_busy)
+            self._arrivals.attach(conn)
             handoff_channel = None if self.handoffs is None else self.handoffs.channel
             for channel in (self.channel, self.hint_channel, handoff_channel):
                 if channel is not None:
@@ -509,7 +485,7 @@ class Waiter(_Forkable):
         with self._hints_lock:
             self._hints.clear()
         conn, self._conn = self._conn, None
-        self._arrived = []
+        self._arrivals.clear()
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
