@@ -45,19 +45,13 @@ sys.path.insert(0, str(HERE))
 from bench_brokers import BrokerSpec, delete_queue, make_brokers  # noqa: E402
 from bench_wakeup import default_worker, stamps, warm_up  # noqa: E402
 
-STEPS = (
+STEPS = ("sent", "notified", "dequeue", "dequeued", "delivered", "received", "started")
+#: a round trip's: the client's first statement, the pickup's steps, the reply's (in the pool
+#: process, then the client)
+ROUNDTRIP_STEPS = (
     "sql",
     "sql done",
-    "sent",
-    "notified",
-    "dequeue",
-    "dequeued",
-    "delivered",
-    "received",
-    "started",
-)
-#: a round trip's steps after ``started``: the reply's, in the pool process then the client
-REPLY_STEPS = (
+    *STEPS,
     "reply",
     "reply sql",
     "reply sql done",
@@ -175,7 +169,7 @@ def run_roundtrip(
     client = os.getpid()
     marks = marks_pids(marks_file)
     pool = {pid for tag, _, pid in marks if tag == "started"}  # (the pool processes)
-    steps: dict[str, list[float]] = {step: [] for step in (*STEPS, *REPLY_STEPS)}
+    steps: dict[str, list[float]] = {step: [] for step in ROUNDTRIP_STEPS}
     for begin, sent, got in trips:
         steps["sent"].append(sent - begin)
         steps["got"].append(got - begin)
@@ -228,7 +222,7 @@ def main() -> None:
     else:
         print(f"pool {args.pool}, {args.tasks} tasks {args.gap} s apart; median ms from send_task")
     print(f"{'step':<16}" + "".join(f"{n:>12}" for n in names))
-    for step in (*STEPS, *REPLY_STEPS) if args.roundtrip else STEPS:
+    for step in ROUNDTRIP_STEPS if args.roundtrip else STEPS:
         row = [results[n].get(step) for n in names]
         print(f"{step:<16}" + "".join(f"{'':>12}" if v is None else f"{v:>12.2f}" for v in row))
 
