@@ -175,17 +175,21 @@ def _consume_in_process(
     queue_name: str,
     hold_s: dict[str, float],
     threads: int,
+    may_stop: multiprocessing.synchronize.Event,
     start: multiprocessing.synchronize.Barrier,
     out: multiprocessing.queues.Queue[Any],
 ) -> None:
     """Entry point of a consumer process (module level, for 'spawn'): ``threads`` consumers,
-    each with its own connection, start once every process is ready."""
+    each with its own connection, start once every process is ready and stop, once the queue
+    is empty, if ``may_stop`` is set."""
     try:
         conns = [psycopg.connect(dsn, autocommit=True, options=FAST) for _ in range(threads)]
         try:
             queue = lonnymq.Broker(schema).queue(queue_name)
             start.wait()
-            reports = run_concurrently([partial(consume, c, queue, hold_s=hold_s) for c in conns])
+            reports = run_concurrently(
+                [partial(consume, c, queue, hold_s=hold_s, stop=may_stop.is_set) for c in conns]
+            )
             out.put(("ok", reports))
         finally:
             for conn in conns:
@@ -277,48 +281,86 @@ def test_max_concurrency_holds_under_concurrent_consumers(
     workers: str, broker: lonnymq.Broker, connect: Connect, pg_dsn: str
 ) -> None:
     """8 consumers (limit=1) drain a channel limited to 2 in flight (12 messages held 100 ms
-    each) and an unlimited one (96 messages held 5 ms each), while an observer counts the
-    limited channel's locked messages."""
+    each) and an unlimited one (96 messages held 5 ms each, published once the limited channel
+    is seen saturated), while an observer counts the limited channel's locked messages."""
     schema = broker.schema
     queue = broker.queue("default")
     conn = connect()
     queue.channel("limited").policy.set(conn, max_concurrency=2)
     batch = queue.batch()
     pending_limited = [batch.channel("limited").message(f"l{i}") for i in range(12)]
-    pending_free = [batch.channel("free").message(f"f{i}") for i in range(96)]
     batch.execute(conn)
     limited_ids = sorted(created_id(p.get()) for p in pending_limited)
-    free_ids = sorted(created_id(p.get()) for p in pending_free)
+    free_ids: list[int] = []
     locked_sql = sql.SQL(
         "SELECT count(*) FROM {} WHERE locked_until IS NOT NULL AND queue = %s AND channel = %s"
     ).format(ident(schema, "message"))
     sampled: list[int] = []
+    saturated = threading.Event()
+    may_stop = multiprocessing.get_context("spawn").Event()
 
     def probe(c: Conn) -> None:
         row = c.execute(locked_sql, ("default", "limited")).fetchone()
         assert row is not None
         sampled.append(int(row[0]))
+        if row[0] >= 2:
+            saturated.set()
 
-    # the limited channel is saturated for about 600 ms (6 rounds of 2), long enough that most
-    # of the free channel's messages are dequeued inside that window even on a loaded machine
+    def publish_free() -> None:
+        # The free channel's messages arrive while both slots of the limited channel are held
+        # (for about 600 ms: 6 rounds of 2), so whatever the machine's load, the consumers have
+        # both channels to choose from while the limited one is full; the consumers may stop
+        # only once they are in.
+        try:
+            assert saturated.wait(30), sampled
+            free = queue.batch()
+            pending_free = [free.channel("free").message(f"f{i}") for i in range(96)]
+            free.execute(connect())
+            free_ids.extend(sorted(created_id(p.get()) for p in pending_free))
+        finally:
+            may_stop.set()
+
     hold_s = {"limited": 0.1, "free": 0.005}
     n = 8  # consumers: 8 threads, or 4 processes of 2 threads
     with Sampler(connect(), probe) as sampler:
-        if workers == "threads":
-            barrier = threading.Barrier(n, timeout=30)
-            reports: list[Report] = run_concurrently(
-                [
-                    partial(consume, connect(options=FAST), queue, hold_s=hold_s, start=barrier)
-                    for _ in range(n)
-                ]
-            )
-        else:
-            per_process: list[list[Report]] = run_processes(
-                _consume_in_process,
-                lambda barrier, out: (pg_dsn, schema, "default", hold_s, 2, barrier, out),
-                n // 2,
-            )
-            reports = [r for rs in per_process for r in rs]
+        publisher = ThreadPoolExecutor(max_workers=1)
+        published = publisher.submit(publish_free)
+        try:
+            if workers == "threads":
+                barrier = threading.Barrier(n, timeout=30)
+                reports: list[Report] = run_concurrently(
+                    [
+                        partial(
+                            consume,
+                            connect(options=FAST),
+                            queue,
+                            hold_s=hold_s,
+                            start=barrier,
+                            stop=may_stop.is_set,
+                        )
+                        for _ in range(n)
+                    ]
+                )
+            else:
+                per_process: list[list[Report]] = run_processes(
+                    _consume_in_process,
+                    lambda barrier, out: (
+                        pg_dsn,
+                        schema,
+                        "default",
+                        hold_s,
+                        2,
+                        may_stop,
+                        barrier,
+                        out,
+                    ),
+                    n // 2,
+                )
+                reports = [r for rs in per_process for r in rs]
+        finally:
+            may_stop.set()
+            publisher.shutdown()
+        published.result()
     assert len(reports) == n
     assert [e for r in reports for e in r.errors] == []  # no deadlock, no failed call
     deliveries = [d for r in reports for d in r.deliveries]
@@ -342,7 +384,14 @@ def test_max_concurrency_holds_under_concurrent_consumers(
     served_while_saturated = [
         f for f in free if sum(1 for d in limited if d.start <= f.called and f.start <= d.end) >= 2
     ]
-    assert len(served_while_saturated) >= 10, len(served_while_saturated)
+    t0 = min(d.called for d in deliveries)
+    assert len(served_while_saturated) >= 10, (
+        len(served_while_saturated),
+        sorted(
+            (round(d.called - t0, 3), round(d.start - t0, 3), round(d.end - t0, 3)) for d in limited
+        ),
+        sorted((round(d.called - t0, 3), round(d.start - t0, 3)) for d in free),
+    )
     assert counter_mismatches(conn, schema) == []
     assert queue.stats(conn).total == 0
 
