@@ -7,7 +7,9 @@ removal, or still in its producer's transaction) is delivered, and the counters 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import psycopg
@@ -197,3 +199,63 @@ def test_a_dequeue_beside_an_open_policy_change_neither_waits_nor_overwrites_it(
         f"m{i}".encode() for i in range(3, 10)
     ]
     assert_consistent(conn, broker.schema)
+
+
+@pytest.mark.parametrize("change", ["policy", "purge"])
+def test_a_queue_wide_change_waits_for_a_lane_being_replaced_and_takes_its_successor(
+    change: str, broker: lonnymq.Broker, conn: Conn, connect: Callable[..., Conn]
+) -> None:
+    """A queue-wide change (schema version 24: the live version of every lane locked in one
+    statement) that meets a version its owner is replacing (lane_put_v1, as a dequeue that
+    owns the lane does, in a transaction still open) waits for it, and then locks and
+    rewrites the version written meanwhile: none of the queue's lanes is left out."""
+    queue = broker.queue("q")
+    for channel in "ab":
+        for i in range(10):
+            queue.channel(channel).message.create(conn, f"{channel}{i}")
+    consume = connect()
+    held = queue.dequeue(consume, limit=2, lock_ms=60_000, listen=False).messages  # ingested
+    owner = connect(autocommit=False)
+    owner.execute(
+        sql.SQL(
+            "SELECT {s}.lane_put_v1(l.id, l) FROM {s}.lane l WHERE queue = 'q' AND channel = 'a'"
+        ).format(s=sql.Identifier(broker.schema))
+    )
+    admin = connect()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        if change == "policy":
+            done: Future[int | None] = pool.submit(queue.policy.set, admin, max_concurrency=5)
+        else:
+            done = pool.submit(queue.purge, admin)
+        deadline = time.monotonic() + 10
+        while owner.info.backend_pid not in blocking(conn, admin):
+            assert time.monotonic() < deadline and not done.done(), done
+            time.sleep(0.01)
+        owner.commit()
+        purged = done.result(timeout=30)
+    live = conn.execute(
+        sql.SQL(
+            "SELECT channel, limited, turn_at IS NOT NULL, cardinality(prios) FROM {}.lane "
+            "WHERE queue = 'q' ORDER BY channel"
+        ).format(sql.Identifier(broker.schema))
+    ).fetchall()
+    if change == "policy":
+        assert [(c, limited) for c, limited, _, _ in live] == [("a", True), ("b", True)]
+    else:
+        assert purged == 18
+        assert [(c, turn, n) for c, _, turn, n in live] == [("a", False, 0), ("b", False, 0)]
+    broker.delete_many(consume, held)
+    assert sorted(m.content for m in consume_all(broker, consume)) == (
+        []
+        if change == "purge"
+        else sorted(
+            {f"{c}{i}".encode() for c in "ab" for i in range(10)} - {m.content for m in held}
+        )
+    )
+    assert_consistent(conn, broker.schema)
+
+
+def blocking(observer: Conn, waiter: Conn) -> list[int]:
+    row = observer.execute("SELECT pg_blocking_pids(%s)", (waiter.info.backend_pid,)).fetchone()
+    assert row is not None
+    return list(row[0])

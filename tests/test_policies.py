@@ -173,6 +173,41 @@ def test_queue_default_change_applies_to_live_channels(queue: lonnymq.Queue, con
     assert len(queue.dequeue(conn, limit=10, lock_ms=60_000)) == 6
 
 
+def test_queue_default_counts_what_live_channels_hold_and_purge_gives_it_back(
+    broker: lonnymq.Broker, conn: Conn
+) -> None:
+    """A queue-wide default set on live channels (one statement per step for all of them,
+    schema version 24) counts what each channel without a policy of its own holds, its
+    messages in flight too; a channel with its own policy is left alone; a purge gives back
+    what the purged messages held."""
+    queue = broker.queue("q")
+    for c in "abc":
+        for i in range(3):
+            queue.channel(c).message.create(conn, f"{c}{i}")
+    queue.channel("c").policy.set(conn, max_concurrency=10)
+    held = queue.dequeue(conn, limit=3, lock_ms=60_000).messages
+    assert sorted(m.channel for m in held) == ["a", "b", "c"]
+    queue.policy.set(conn, max_size=3, max_concurrency=1)
+    assert_consistent(conn, broker.schema)
+    for c in "ab":  # 3 messages each, one of them in flight: full, and at their concurrency
+        with pytest.raises(ChannelFull):
+            queue.channel(c).message.create(conn, b"more")
+    queue.channel("c").message.create(conn, b"c3")  # its own policy has no max_size
+    got = queue.dequeue(conn, limit=10, lock_ms=60_000).messages
+    assert [m.content for m in got] == [b"c1", b"c2", b"c3"]
+    assert queue.purge(conn) == 4  # a1, a2, b1, b2
+    assert_consistent(conn, broker.schema)
+    queue.channel("a").message.create(conn, b"a3")  # room for 2 beside the one in flight
+    queue.channel("a").message.create(conn, b"a4")
+    with pytest.raises(ChannelFull):
+        queue.channel("a").message.create(conn, b"a5")
+    broker.delete_many(conn, held + got)
+    queue.policy.clear(conn)
+    assert [m.content for m in drain(queue, conn, limit=10)] == [b"a3", b"a4"]
+    assert_consistent(conn, broker.schema)
+    assert queue.stats(conn).channels == 0
+
+
 def test_policy_persists_after_channel_empties(queue: lonnymq.Queue, conn: Conn) -> None:
     ch = queue.channel("a")
     ch.policy.set(conn, max_size=1)

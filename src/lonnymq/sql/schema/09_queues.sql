@@ -61,48 +61,54 @@ END;
 $$;
 
 -- Delete every message of a queue that is not held by a consumer (ready and delayed ones).
--- Returns how many were deleted. Held messages stay until acked or their lock expires.
+-- Returns how many were deleted. Held messages stay until acked or their lock expires. A
+-- few statements whatever the number of channels (row locks only: no advisory key per
+-- channel, which the server's lock table limits).
 CREATE FUNCTION {schema}.queue_purge_v1(p_queue text) RETURNS bigint
 LANGUAGE plpgsql AS $$
 DECLARE
     v_d {schema}.discovery;
-    v_total bigint := 0;
-    r record;
-    v_lane {schema}.lane;
+    v_total bigint;
+    v_sized text[];
+    v_lanes {schema}.lane[];
 BEGIN
     -- with the ingest held, a message not ingested yet is counted as enqueued here
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
-    FOR r IN
-        WITH gone AS (
-            DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL
-            RETURNING m.channel, m.sized,
-                      m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap) AS fresh
-        ), per AS (
-            SELECT g.channel, count(*)::integer AS n, count(*) FILTER (WHERE g.sized)::integer AS s,
-                   count(*) FILTER (WHERE g.fresh)::integer AS f
-            FROM gone g GROUP BY g.channel
-        ), counted AS (
-            INSERT INTO {schema}.tally (queue, channel, enqueued, purged)
-            SELECT p_queue, p.channel, p.f, p.n FROM per p
-        )
-        SELECT * FROM per ORDER BY channel
-    LOOP
-        v_total := v_total + r.n;
-        IF r.s > 0 THEN
-            PERFORM {schema}.channel_give_back_v1(p_queue, r.channel, r.s, 0);
-        END IF;
-    END LOOP;
-    FOR r IN SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1 LOOP
-        v_lane := {schema}.lane_lock_v1(p_queue, r.channel);
-        IF v_lane.turn_at IS NOT NULL OR cardinality(v_lane.prios) > 0 THEN
-            v_lane.turn_at := NULL;
-            v_lane.prios := '{{}}';
-            v_lane.pos_at := '{{}}';
-            v_lane.pos_id := '{{}}';
-            PERFORM {schema}.lane_put_v1(v_lane.id, v_lane);
-        END IF;
-    END LOOP;
+    WITH gone AS (
+        DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL
+        RETURNING m.channel, m.sized,
+                  m.arrival = 0 AND NOT pg_visible_in_snapshot(m.txid, v_d.snap) AS fresh
+    ), per AS (
+        SELECT g.channel, count(*)::integer AS n, count(*) FILTER (WHERE g.sized)::integer AS s,
+               count(*) FILTER (WHERE g.fresh)::integer AS f
+        FROM gone g GROUP BY g.channel
+    ), counted AS (
+        INSERT INTO {schema}.tally (queue, channel, enqueued, purged)
+        SELECT p_queue, p.channel, p.f, p.n FROM per p
+    ), given AS (
+        -- (what the sized ones held on their channel row)
+        UPDATE {schema}.channel c SET current_size = GREATEST(0, c.current_size - p.s)
+        FROM per p WHERE c.queue = p_queue AND c.name = p.channel AND p.s > 0
+    )
+    SELECT coalesce(sum(p.n), 0),
+           coalesce(array_agg(p.channel ORDER BY p.channel) FILTER (WHERE p.s > 0), '{{}}')
+    INTO v_total, v_sized
+    FROM per p;
+    -- a row left with nothing to count goes (channel_give_back_v1)
+    DELETE FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = ANY (v_sized) AND NOT c.has_policy
+      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
+    -- the lanes have nothing left to give
+    v_lanes := {schema}.queue_lanes_lock_v1(p_queue, false);
+    SELECT coalesce(array_agg(
+               ROW(o.id, o.queue, o.channel, NULL, o.served_at, o.written_at, o.limited,
+                   '{{}}', '{{}}', '{{}}', o.not_before)::{schema}.lane ORDER BY o.channel), '{{}}')
+    INTO v_lanes
+    FROM unnest(v_lanes) AS o
+    WHERE o.turn_at IS NOT NULL OR cardinality(o.prios) > 0;
+    PERFORM {schema}.lanes_put_v1(v_lanes);
     RETURN v_total;
 END;
 $$;
@@ -121,8 +127,7 @@ BEGIN
                                  AND m.locked_until IS NULL) THEN
         RETURN 0;
     END IF;
-    PERFORM {schema}.lane_lock_v1(p_queue, l.channel)
-    FROM (SELECT DISTINCT l.channel FROM {schema}.lane l WHERE l.queue = p_queue ORDER BY 1) AS l;
+    PERFORM {schema}.queue_lanes_lock_v1(p_queue, false);
     WITH gone AS (
         DELETE FROM {schema}.message m WHERE m.queue = p_queue AND m.locked_until IS NULL
         RETURNING 1
