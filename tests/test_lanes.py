@@ -255,6 +255,41 @@ def test_a_queue_wide_change_waits_for_a_lane_being_replaced_and_takes_its_succe
     assert_consistent(conn, broker.schema)
 
 
+@pytest.mark.parametrize("change", ["policy", "purge"])
+def test_a_queue_wide_change_keeps_lane_times_whatever_the_sessions_date_style(
+    change: str, broker: lonnymq.Broker, conn: Conn, connect: Callable[..., Conn]
+) -> None:
+    """The lanes a queue-wide change rewrites keep their times exactly in a session whose
+    DateStyle is not ISO (a timestamp written as text with a zone abbreviation, 'IST' here,
+    read back as another zone's: a first version of schema version 24 read the lanes
+    through text, and shifted them by hours)."""
+    queue = broker.queue("q")
+    for channel in "ab":
+        for i in range(2):
+            queue.channel(channel).message.create(conn, f"{channel}{i}")
+    served = queue.dequeue(conn, limit=2, lock_ms=60_000, listen=False).messages
+    assert sorted(m.channel for m in served) == ["a", "b"]  # (each lane served once)
+    broker.delete_many(conn, served)
+    times = sql.SQL(
+        "SELECT channel, turn_at::text, served_at::text, pos_at::text, limited FROM {}.lane "
+        "WHERE queue = 'q' ORDER BY channel"
+    ).format(sql.Identifier(broker.schema))
+    before = conn.execute(times).fetchall()  # (as text in this session's DateStyle, ISO)
+    assert [c for c, *_ in before] == ["a", "b"]
+    admin = connect()
+    admin.execute("SET DateStyle = 'SQL, DMY'")
+    admin.execute("SET TimeZone = 'Asia/Kolkata'")
+    if change == "policy":
+        queue.policy.set(admin, max_concurrency=5)  # (every lane rewritten: now limited)
+        assert conn.execute(times).fetchall() == [(*row[:4], True) for row in before]
+    else:
+        assert queue.purge(admin) == 2
+        assert [(c, turn, at) for c, turn, at, *_ in conn.execute(times).fetchall()] == [
+            (c, None, at) for c, _, at, *_ in before
+        ]
+    assert_consistent(conn, broker.schema)
+
+
 def blocking(observer: Conn, waiter: Conn) -> list[int]:
     row = observer.execute("SELECT pg_blocking_pids(%s)", (waiter.info.backend_pid,)).fetchone()
     assert row is not None

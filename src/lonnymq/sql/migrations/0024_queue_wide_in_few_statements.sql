@@ -9,51 +9,62 @@
 -- advisory key per channel), but one channel at a time: a plpgsql call or two per channel
 -- (channel_apply_v1, lane_lock_v1, lane_put_v1), 27 s for a policy change over 100,000
 -- channels on this project's machine. They now run the same steps for every channel at once:
--- the lanes' live versions locked by queue_lanes_lock_v1, rewritten by lanes_put_v1, the
--- channel rows counted and pruned in one statement each. Same signatures, same results.
+-- the lanes' live versions locked by queue_lanes_lock_v1, rewritten by lanes_put_v1; the
+-- channel rows of a policy change locked, counted and pruned in slices of 1,000 channels
+-- (queue_slice_apply_v1). Same signatures, same results. channel_apply_v1 (a channel's own
+-- policy) is replaced too: a message acked or deferred while its count was being taken is
+-- no longer counted (the condition re-checked on the row's newest version).
 
 -- The live version of each lane of a queue (with p_defaults, only of its channels without a
--- policy of their own), locked FOR UPDATE: lane_lock_v1 for a whole queue in a few statements,
--- for a queue-wide writer that holds the ingest key (a policy change, a purge, a queue delete;
--- called once per lane, lane_lock_v1 took 27 s of a policy change over 100,000 channels). A
--- version whose owner is replacing it right now is waited for and left out (the statement's
--- snapshot does not see its successor); the next round locks the successor. Nothing else
--- makes a lane version meanwhile: new lanes need the ingest key, and an owner's write finds
--- the version locked and writes nothing (lane_put_v1).
+-- policy of their own), locked FOR UPDATE: lane_lock_v1 for a whole queue, for a queue-wide
+-- writer that holds the ingest key (a policy change, a purge, a queue delete; called once per
+-- lane, lane_lock_v1 took 27 s of a policy change over 100,000 channels). One statement locks
+-- them all; a version its owner replaced between the statement's snapshot and its lock (a
+-- busy lane: its owner rewrites it every few milliseconds) is left out, and lane_lock_v1
+-- locks the newest version of each lane left out, one by one. Lanes are made and removed only
+-- under the ingest key, and an owner's write of a locked version writes nothing
+-- (lane_put_v1), so what is locked stays the live version.
 CREATE FUNCTION {schema}.queue_lanes_lock_v1(p_queue text, p_defaults boolean)
 RETURNS {schema}.lane[]
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
-    v_channels bigint;
     v_locked {schema}.lane[];
+    v_lane {schema}.lane;
+    v_channel text;
 BEGIN
-    -- (how many lanes: the same until the caller's transaction ends)
-    SELECT count(*) INTO v_channels FROM (
-        SELECT DISTINCT v.channel FROM {schema}.lane v WHERE v.queue = p_queue
-    ) AS live
-    WHERE NOT (p_defaults AND EXISTS (
-        SELECT 1 FROM {schema}.channel c
-        WHERE c.queue = p_queue AND c.name = live.channel AND c.has_policy));
+    -- (the rows as a column of type lane, not a record: a record[] would be converted to
+    -- lane[] through its text form, where a timestamp in a DateStyle other than ISO may not
+    -- come back the same)
+    SELECT coalesce(array_agg(x.l ORDER BY (x.l).channel), '{{}}') INTO v_locked FROM (
+        SELECT l FROM (
+            SELECT DISTINCT ON (v.channel) v.channel, v.id FROM {schema}.lane v
+            WHERE v.queue = p_queue ORDER BY v.channel, v.id DESC
+        ) AS live
+        JOIN {schema}.lane l ON l.queue = p_queue AND l.channel = live.channel
+                            AND l.id = live.id
+        WHERE NOT (p_defaults AND EXISTS (
+            SELECT 1 FROM {schema}.channel c
+            WHERE c.queue = p_queue AND c.name = live.channel AND c.has_policy))
+        ORDER BY l.channel
+        FOR UPDATE OF l
+    ) AS x;
+    FOR v_channel IN
+        SELECT w.channel FROM (
+            SELECT DISTINCT v.channel FROM {schema}.lane v WHERE v.queue = p_queue
+            EXCEPT
+            SELECT d.channel FROM unnest(v_locked) AS d
+        ) AS w
+        WHERE NOT (p_defaults AND EXISTS (
+            SELECT 1 FROM {schema}.channel c
+            WHERE c.queue = p_queue AND c.name = w.channel AND c.has_policy))
+        ORDER BY w.channel
     LOOP
-        -- (a round that missed a version being replaced locks all again: a row this
-        -- transaction locked already is locked again without waiting or writing)
-        SELECT coalesce(array_agg(x ORDER BY x.channel), '{{}}') INTO v_locked FROM (
-            SELECT l.* FROM (
-                SELECT DISTINCT ON (v.channel) v.channel, v.id FROM {schema}.lane v
-                WHERE v.queue = p_queue ORDER BY v.channel, v.id DESC
-            ) AS live
-            JOIN {schema}.lane l ON l.queue = p_queue AND l.channel = live.channel
-                                AND l.id = live.id
-            WHERE NOT (p_defaults AND EXISTS (
-                SELECT 1 FROM {schema}.channel c
-                WHERE c.queue = p_queue AND c.name = live.channel AND c.has_policy))
-            ORDER BY l.channel
-            FOR UPDATE OF l
-        ) AS x;
-        IF cardinality(v_locked) >= v_channels THEN
-            RETURN v_locked;
+        v_lane := {schema}.lane_lock_v1(p_queue, v_channel);
+        IF v_lane.id IS NOT NULL THEN
+            v_locked := v_locked || v_lane;
         END IF;
     END LOOP;
+    RETURN v_locked;
 END;
 $$;
 
@@ -72,6 +83,69 @@ BEGIN
            n.not_before
     FROM unnest(p_lanes) AS n
     ORDER BY n.channel;
+END;
+$$;
+
+-- A slice of queue_policy_set_v2's channels (p_channels, in name order) brought in line with
+-- the queue's new default, channel_apply_v1's row steps: with a limit in force each has a row
+-- (inserted if missing), every row is locked in name order; a limit that starts counting
+-- counts what the channel holds (max_size its messages, max_concurrency its messages in
+-- flight); a row left with nothing to count goes.
+CREATE FUNCTION {schema}.queue_slice_apply_v1(
+    p_queue text, p_channels text[], p_max_concurrency integer, p_max_size integer,
+    p_limited boolean
+) RETURNS void
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+BEGIN
+    IF p_limited THEN
+        -- (a conflicting row is locked, not updated: WHERE false)
+        INSERT INTO {schema}.channel AS c (queue, name)
+        SELECT p_queue, u.name FROM unnest(p_channels) AS u(name) ORDER BY u.name
+        ON CONFLICT (queue, name) DO UPDATE SET name = EXCLUDED.name WHERE false;
+    ELSE
+        PERFORM 1 FROM {schema}.channel c
+        WHERE c.queue = p_queue AND c.name = ANY (p_channels) ORDER BY c.name FOR UPDATE;
+    END IF;
+    -- (the conditions on the updated row itself are checked again on its newest version: a
+    -- message deferred or acked meanwhile is not counted)
+    IF p_max_size IS NOT NULL THEN
+        WITH marked AS (
+            UPDATE {schema}.message m SET sized = true
+            WHERE m.id IN (
+                SELECT x.id FROM {schema}.message x
+                WHERE x.queue = p_queue AND x.channel = ANY (p_channels)
+                  AND x.locked_until IS NULL AND NOT x.sized
+                UNION ALL
+                SELECT x.id FROM {schema}.message x
+                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                  AND x.channel = ANY (p_channels) AND NOT x.sized)
+              AND NOT m.sized
+            RETURNING m.channel
+        ), per AS (
+            SELECT k.channel, count(*)::integer AS n FROM marked k GROUP BY k.channel
+        )
+        UPDATE {schema}.channel c SET current_size = c.current_size + per.n
+        FROM per WHERE c.queue = p_queue AND c.name = per.channel;
+    END IF;
+    IF p_max_concurrency IS NOT NULL THEN
+        WITH marked AS (
+            UPDATE {schema}.message m SET slotted = true
+            WHERE m.id IN (
+                SELECT x.id FROM {schema}.message x
+                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                  AND x.channel = ANY (p_channels) AND NOT x.slotted)
+              AND m.locked_until IS NOT NULL AND NOT m.slotted
+            RETURNING m.channel
+        ), per AS (
+            SELECT k.channel, count(*)::integer AS n FROM marked k GROUP BY k.channel
+        )
+        UPDATE {schema}.channel c SET current_concurrency = c.current_concurrency + per.n
+        FROM per WHERE c.queue = p_queue AND c.name = per.channel;
+    END IF;
+    DELETE FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = ANY (p_channels) AND NOT c.has_policy
+      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
 END;
 $$;
 
@@ -139,73 +213,166 @@ BEGIN
 END;
 $$;
 
+-- Bring a channel in line with the limits now in force, after a policy change: a limit that
+-- starts counting counts what the channel holds (max_size: its messages; max_concurrency: its
+-- messages in flight), the lane is marked limited or not and gets its turn back, or loses it
+-- at its max_concurrency, or waits for its next token no more. The caller holds the ingest
+-- key. Returns whether the lane got a turn it did not have (or an earlier one).
+CREATE OR REPLACE FUNCTION {schema}.channel_apply_v1(p_queue text, p_channel text) RETURNS boolean
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_lim record;
+    v_row {schema}.channel;
+    v_n integer;
+    v_lane {schema}.lane;
+    v_put {schema}.lane;
+    v_d {schema}.discovery;
+    v_next record;
+    v_i integer;
+BEGIN
+    SELECT * INTO v_lim FROM {schema}.channel_limits_v2(p_queue, p_channel);
+    IF v_lim.max_size IS NOT NULL OR v_lim.max_concurrency IS NOT NULL
+       OR v_lim.rate_count IS NOT NULL THEN
+        INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
+        ON CONFLICT DO NOTHING;
+    END IF;
+    SELECT * INTO v_row FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
+    IF FOUND THEN
+        IF v_lim.max_size IS NOT NULL THEN
+            WITH marked AS (
+                UPDATE {schema}.message m SET sized = true
+                WHERE m.id IN (
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.channel = p_channel AND x.locked_until IS NULL
+                      AND NOT x.sized
+                    UNION ALL
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                      AND x.channel = p_channel AND NOT x.sized)
+                  AND NOT m.sized
+                RETURNING 1
+            )
+            SELECT count(*) INTO v_n FROM marked;
+            v_row.current_size := v_row.current_size + v_n;
+        END IF;
+        IF v_lim.max_concurrency IS NOT NULL THEN
+            WITH marked AS (
+                UPDATE {schema}.message m SET slotted = true
+                WHERE m.id IN (
+                    SELECT x.id FROM {schema}.message x
+                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                      AND x.channel = p_channel AND NOT x.slotted)
+                  AND m.locked_until IS NOT NULL AND NOT m.slotted
+                RETURNING 1
+            )
+            SELECT count(*) INTO v_n FROM marked;
+            v_row.current_concurrency := v_row.current_concurrency + v_n;
+        END IF;
+        UPDATE {schema}.channel c SET
+            current_size = v_row.current_size, current_concurrency = v_row.current_concurrency
+        WHERE c.queue = p_queue AND c.name = p_channel;
+        DELETE FROM {schema}.channel c
+        WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
+          AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+          AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
+    END IF;
+    v_lane := {schema}.lane_lock_v1(p_queue, p_channel);
+    IF v_lane.id IS NULL THEN
+        RETURN false;
+    END IF;
+    v_put := v_lane;
+    v_put.limited := v_lim.max_concurrency IS NOT NULL OR v_lim.rate_count IS NOT NULL;
+    -- (a lane waiting for its next token under the old rate: its turn is recomputed, and its
+    -- owner reckons the tokens under the new one)
+    v_put.not_before := NULL;
+    IF v_lim.max_concurrency IS NOT NULL
+       AND coalesce(v_row.current_concurrency, 0) >= v_lim.max_concurrency THEN
+        v_put.turn_at := NULL;
+    ELSIF v_put.turn_at IS NULL OR v_lane.not_before IS NOT NULL THEN
+        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        SELECT * INTO v_next FROM {schema}.lane_next_v1(v_put, v_d.snap);
+        v_put.prios := v_next.prios;
+        v_put.pos_at := v_next.pos_at;
+        v_put.pos_id := v_next.pos_id;
+        IF v_next.next_at IS NOT NULL THEN
+            v_i := array_position(v_d.queues, p_queue);
+            v_put.turn_at := GREATEST(v_next.next_at, v_put.served_at,
+                CASE WHEN v_i IS NULL THEN '-infinity' ELSE v_d.turn_from[v_i] END);
+        END IF;
+    END IF;
+    IF v_put.limited IS DISTINCT FROM v_lane.limited OR v_put.turn_at IS DISTINCT FROM v_lane.turn_at
+       OR v_put.not_before IS DISTINCT FROM v_lane.not_before
+       OR v_put.prios IS DISTINCT FROM v_lane.prios OR v_put.pos_at IS DISTINCT FROM v_lane.pos_at
+       OR v_put.pos_id IS DISTINCT FROM v_lane.pos_id THEN
+        PERFORM {schema}.lane_put_v1(v_lane.id, v_put);
+    END IF;
+    -- (a turn it did not have, or an earlier one: sleepers may be waiting for the later one)
+    RETURN v_put.turn_at IS NOT NULL
+        AND (v_lane.turn_at IS NULL
+             OR (v_put.turn_at < v_lane.turn_at AND v_lane.turn_at > clock_timestamp()));
+END;
+$$;
+
 -- Set (or, with NULLs, clear) the queue-wide default policy, applied at once to every channel
--- of the queue that has no policy of its own: channel_apply_v1's steps for all of them, a
--- few statements each (one call per channel took 27 s over 100,000 channels). Row locks only,
--- no advisory key per channel, so the server's lock table does not limit how many channels a
--- queue may have; one transaction, so a change that fails changes nothing.
+-- of the queue that has no policy of its own: channel_apply_v1's steps for all of them, in
+-- slices of 1,000 channels of a few statements each (one call per channel took 27 s over
+-- 100,000 channels). Row locks only, no advisory key per channel, so the server's lock table
+-- does not limit how many channels a queue may have; one transaction, so a change that fails
+-- changes nothing. Each slice locks its channel rows in name order (as every writer of
+-- channel rows does), then marks their messages: an ack, which locks its message and then
+-- its channel row, meets the change only within one slice's moment.
 CREATE OR REPLACE FUNCTION {schema}.queue_policy_set_v2(
     p_queue text, p_max_concurrency integer, p_max_size integer, p_rate_count integer,
     p_rate_per_ms bigint, p_burst integer
 ) RETURNS void
-LANGUAGE plpgsql SET enable_seqscan = off AS $$
+-- (each slice read in name order from where the last one stopped, by index: not the queue's
+-- every lane hashed or sorted again)
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashagg = off
+AS $$
+DECLARE
+    v_after text COLLATE "C" := '';
+    v_lanes text[];
+    v_rows text[];
+    v_next text[];
+    v_slice text[];
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     PERFORM {schema}.queue_ensure_v1(p_queue);
     UPDATE {schema}.queue SET max_concurrency = p_max_concurrency, max_size = p_max_size,
         rate_count = p_rate_count, rate_per_ms = p_rate_per_ms, burst = p_burst
     WHERE name = p_queue;
-    -- 1. with a limit in force, every channel of the queue has a row (those with a lane and
-    -- none yet get one); the rows of the channels the default applies to are locked
-    IF p_max_size IS NOT NULL OR p_max_concurrency IS NOT NULL OR p_rate_count IS NOT NULL THEN
-        INSERT INTO {schema}.channel (queue, name)
-        SELECT DISTINCT l.queue, l.channel FROM {schema}.lane l WHERE l.queue = p_queue
-        ORDER BY 1, 2
-        ON CONFLICT DO NOTHING;
-    END IF;
-    PERFORM 1 FROM {schema}.channel c WHERE c.queue = p_queue AND NOT c.has_policy
-    ORDER BY c.name FOR UPDATE;
-    -- 2. a limit that starts counting counts what each of them holds: max_size its messages,
-    -- max_concurrency its messages in flight
-    IF p_max_size IS NOT NULL THEN
-        WITH marked AS (
-            UPDATE {schema}.message m SET sized = true
-            WHERE m.id IN (
-                SELECT x.id FROM {schema}.message x
-                WHERE x.queue = p_queue AND x.locked_until IS NULL AND NOT x.sized
-                UNION ALL
-                SELECT x.id FROM {schema}.message x
-                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL AND NOT x.sized)
-              AND EXISTS (SELECT 1 FROM {schema}.channel c
-                          WHERE c.queue = p_queue AND c.name = m.channel AND NOT c.has_policy)
-            RETURNING m.channel
-        ), per AS (
-            SELECT k.channel, count(*)::integer AS n FROM marked k GROUP BY k.channel
-        )
-        UPDATE {schema}.channel c SET current_size = c.current_size + per.n
-        FROM per WHERE c.queue = p_queue AND c.name = per.channel;
-    END IF;
-    IF p_max_concurrency IS NOT NULL THEN
-        WITH marked AS (
-            UPDATE {schema}.message m SET slotted = true
-            WHERE m.id IN (
-                SELECT x.id FROM {schema}.message x
-                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL AND NOT x.slotted)
-              AND EXISTS (SELECT 1 FROM {schema}.channel c
-                          WHERE c.queue = p_queue AND c.name = m.channel AND NOT c.has_policy)
-            RETURNING m.channel
-        ), per AS (
-            SELECT k.channel, count(*)::integer AS n FROM marked k GROUP BY k.channel
-        )
-        UPDATE {schema}.channel c SET current_concurrency = c.current_concurrency + per.n
-        FROM per WHERE c.queue = p_queue AND c.name = per.channel;
-    END IF;
-    -- 3. a row left with nothing to count goes
-    DELETE FROM {schema}.channel c
-    WHERE c.queue = p_queue AND NOT c.has_policy
-      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
-      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
-    -- 4. the lanes (sleepers may be waiting for a turn one of them gets)
+    LOOP
+        -- the next 1,000 channels in name order that have a lane or a row (a row's range
+        -- bounded by the lanes', so that no slice reads to the end of the queue's rows)
+        v_lanes := ARRAY(SELECT DISTINCT l.channel FROM {schema}.lane l
+                         WHERE l.queue = p_queue AND l.channel > v_after ORDER BY 1 LIMIT 1000);
+        IF cardinality(v_lanes) = 1000 THEN
+            v_rows := ARRAY(SELECT c.name FROM {schema}.channel c
+                            WHERE c.queue = p_queue AND c.name > v_after
+                              AND c.name <= v_lanes[1000]
+                            ORDER BY c.name);
+        ELSE
+            v_rows := ARRAY(SELECT c.name FROM {schema}.channel c
+                            WHERE c.queue = p_queue AND c.name > v_after
+                            ORDER BY c.name LIMIT 1000);
+        END IF;
+        v_next := ARRAY(SELECT DISTINCT u.name FROM unnest(v_lanes || v_rows) AS u(name)
+                        ORDER BY 1 LIMIT 1000);
+        EXIT WHEN cardinality(v_next) = 0;
+        v_after := v_next[cardinality(v_next)];
+        -- (those without a policy of their own: one lookup each)
+        v_slice := ARRAY(SELECT u.name FROM unnest(v_next) AS u(name)
+                         WHERE NOT coalesce((SELECT c.has_policy FROM {schema}.channel c
+                                             WHERE c.queue = p_queue AND c.name = u.name), false)
+                         ORDER BY u.name);
+        IF cardinality(v_slice) > 0 THEN
+            PERFORM {schema}.queue_slice_apply_v1(p_queue, v_slice, p_max_concurrency,
+                p_max_size,
+                p_max_concurrency IS NOT NULL OR p_max_size IS NOT NULL OR p_rate_count IS NOT NULL);
+        END IF;
+    END LOOP;
+    -- the lanes (sleepers may be waiting for a turn one of them gets)
     IF {schema}.queue_lanes_apply_v1(p_queue, p_max_concurrency,
                                       p_max_concurrency IS NOT NULL OR p_rate_count IS NOT NULL) THEN
         PERFORM {schema}.wake_v1(p_queue);
@@ -223,6 +390,7 @@ DECLARE
     v_d {schema}.discovery;
     v_total bigint;
     v_sized text[];
+    v_sizes integer[];
     v_lanes {schema}.lane[];
 BEGIN
     -- with the ingest held, a message not ingested yet is counted as enqueued here
@@ -239,16 +407,20 @@ BEGIN
     ), counted AS (
         INSERT INTO {schema}.tally (queue, channel, enqueued, purged)
         SELECT p_queue, p.channel, p.f, p.n FROM per p
-    ), given AS (
-        -- (what the sized ones held on their channel row)
-        UPDATE {schema}.channel c SET current_size = GREATEST(0, c.current_size - p.s)
-        FROM per p WHERE c.queue = p_queue AND c.name = p.channel AND p.s > 0
     )
     SELECT coalesce(sum(p.n), 0),
-           coalesce(array_agg(p.channel ORDER BY p.channel) FILTER (WHERE p.s > 0), '{{}}')
-    INTO v_total, v_sized
+           coalesce(array_agg(p.channel ORDER BY p.channel) FILTER (WHERE p.s > 0), '{{}}'),
+           coalesce(array_agg(p.s ORDER BY p.channel) FILTER (WHERE p.s > 0), '{{}}')
+    INTO v_total, v_sized, v_sizes
     FROM per p;
-    -- a row left with nothing to count goes (channel_give_back_v1)
+    -- what the sized ones held on their channel rows, given back (channel_give_back_v1),
+    -- the rows locked in name order first, as every writer of channel rows locks them
+    PERFORM 1 FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = ANY (v_sized) ORDER BY c.name FOR UPDATE;
+    UPDATE {schema}.channel c SET current_size = GREATEST(0, c.current_size - u.s)
+    FROM unnest(v_sized, v_sizes) AS u(name, s)
+    WHERE c.queue = p_queue AND c.name = u.name;
+    -- a row left with nothing to count goes
     DELETE FROM {schema}.channel c
     WHERE c.queue = p_queue AND c.name = ANY (v_sized) AND NOT c.has_policy
       AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
@@ -313,4 +485,5 @@ ALTER FUNCTION {schema}.queue_delete_v1(text)
 -- (as every function of the schema: nobody but the owner may call the new ones directly)
 REVOKE ALL ON FUNCTION {schema}.queue_lanes_lock_v1(text, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.lanes_put_v1({schema}.lane[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.queue_slice_apply_v1(text, text[], integer, integer, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION {schema}.queue_lanes_apply_v1(text, integer, boolean) FROM PUBLIC;

@@ -268,47 +268,55 @@ END;
 $$;
 
 -- The live version of each lane of a queue (with p_defaults, only of its channels without a
--- policy of their own), locked FOR UPDATE: lane_lock_v1 for a whole queue in a few statements,
--- for a queue-wide writer that holds the ingest key (a policy change, a purge, a queue delete;
--- called once per lane, lane_lock_v1 took 27 s of a policy change over 100,000 channels). A
--- version whose owner is replacing it right now is waited for and left out (the statement's
--- snapshot does not see its successor); the next round locks the successor. Nothing else
--- makes a lane version meanwhile: new lanes need the ingest key, and an owner's write finds
--- the version locked and writes nothing (lane_put_v1).
+-- policy of their own), locked FOR UPDATE: lane_lock_v1 for a whole queue, for a queue-wide
+-- writer that holds the ingest key (a policy change, a purge, a queue delete; called once per
+-- lane, lane_lock_v1 took 27 s of a policy change over 100,000 channels). One statement locks
+-- them all; a version its owner replaced between the statement's snapshot and its lock (a
+-- busy lane: its owner rewrites it every few milliseconds) is left out, and lane_lock_v1
+-- locks the newest version of each lane left out, one by one. Lanes are made and removed only
+-- under the ingest key, and an owner's write of a locked version writes nothing
+-- (lane_put_v1), so what is locked stays the live version.
 CREATE FUNCTION {schema}.queue_lanes_lock_v1(p_queue text, p_defaults boolean)
 RETURNS {schema}.lane[]
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
-    v_channels bigint;
     v_locked {schema}.lane[];
+    v_lane {schema}.lane;
+    v_channel text;
 BEGIN
-    -- (how many lanes: the same until the caller's transaction ends)
-    SELECT count(*) INTO v_channels FROM (
-        SELECT DISTINCT v.channel FROM {schema}.lane v WHERE v.queue = p_queue
-    ) AS live
-    WHERE NOT (p_defaults AND EXISTS (
-        SELECT 1 FROM {schema}.channel c
-        WHERE c.queue = p_queue AND c.name = live.channel AND c.has_policy));
+    -- (the rows as a column of type lane, not a record: a record[] would be converted to
+    -- lane[] through its text form, where a timestamp in a DateStyle other than ISO may not
+    -- come back the same)
+    SELECT coalesce(array_agg(x.l ORDER BY (x.l).channel), '{{}}') INTO v_locked FROM (
+        SELECT l FROM (
+            SELECT DISTINCT ON (v.channel) v.channel, v.id FROM {schema}.lane v
+            WHERE v.queue = p_queue ORDER BY v.channel, v.id DESC
+        ) AS live
+        JOIN {schema}.lane l ON l.queue = p_queue AND l.channel = live.channel
+                            AND l.id = live.id
+        WHERE NOT (p_defaults AND EXISTS (
+            SELECT 1 FROM {schema}.channel c
+            WHERE c.queue = p_queue AND c.name = live.channel AND c.has_policy))
+        ORDER BY l.channel
+        FOR UPDATE OF l
+    ) AS x;
+    FOR v_channel IN
+        SELECT w.channel FROM (
+            SELECT DISTINCT v.channel FROM {schema}.lane v WHERE v.queue = p_queue
+            EXCEPT
+            SELECT d.channel FROM unnest(v_locked) AS d
+        ) AS w
+        WHERE NOT (p_defaults AND EXISTS (
+            SELECT 1 FROM {schema}.channel c
+            WHERE c.queue = p_queue AND c.name = w.channel AND c.has_policy))
+        ORDER BY w.channel
     LOOP
-        -- (a round that missed a version being replaced locks all again: a row this
-        -- transaction locked already is locked again without waiting or writing)
-        SELECT coalesce(array_agg(x ORDER BY x.channel), '{{}}') INTO v_locked FROM (
-            SELECT l.* FROM (
-                SELECT DISTINCT ON (v.channel) v.channel, v.id FROM {schema}.lane v
-                WHERE v.queue = p_queue ORDER BY v.channel, v.id DESC
-            ) AS live
-            JOIN {schema}.lane l ON l.queue = p_queue AND l.channel = live.channel
-                                AND l.id = live.id
-            WHERE NOT (p_defaults AND EXISTS (
-                SELECT 1 FROM {schema}.channel c
-                WHERE c.queue = p_queue AND c.name = live.channel AND c.has_policy))
-            ORDER BY l.channel
-            FOR UPDATE OF l
-        ) AS x;
-        IF cardinality(v_locked) >= v_channels THEN
-            RETURN v_locked;
+        v_lane := {schema}.lane_lock_v1(p_queue, v_channel);
+        IF v_lane.id IS NOT NULL THEN
+            v_locked := v_locked || v_lane;
         END IF;
     END LOOP;
+    RETURN v_locked;
 END;
 $$;
 

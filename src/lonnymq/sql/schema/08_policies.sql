@@ -219,6 +219,7 @@ BEGIN
                     SELECT x.id FROM {schema}.message x
                     WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
                       AND x.channel = p_channel AND NOT x.sized)
+                  AND NOT m.sized
                 RETURNING 1
             )
             SELECT count(*) INTO v_n FROM marked;
@@ -231,6 +232,7 @@ BEGIN
                     SELECT x.id FROM {schema}.message x
                     WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
                       AND x.channel = p_channel AND NOT x.slotted)
+                  AND m.locked_until IS NOT NULL AND NOT m.slotted
                 RETURNING 1
             )
             SELECT count(*) INTO v_n FROM marked;
@@ -328,44 +330,105 @@ END;
 $$;
 
 -- Set (or, with NULLs, clear) the queue-wide default policy, applied at once to every channel
--- of the queue that has no policy of its own: channel_apply_v1's steps for all of them, a
--- few statements each (one call per channel took 27 s over 100,000 channels). Row locks only,
--- no advisory key per channel, so the server's lock table does not limit how many channels a
--- queue may have; one transaction, so a change that fails changes nothing.
+-- of the queue that has no policy of its own: channel_apply_v1's steps for all of them, in
+-- slices of 1,000 channels of a few statements each (one call per channel took 27 s over
+-- 100,000 channels). Row locks only, no advisory key per channel, so the server's lock table
+-- does not limit how many channels a queue may have; one transaction, so a change that fails
+-- changes nothing. Each slice locks its channel rows in name order (as every writer of
+-- channel rows does), then marks their messages: an ack, which locks its message and then
+-- its channel row, meets the change only within one slice's moment.
 CREATE FUNCTION {schema}.queue_policy_set_v2(
     p_queue text, p_max_concurrency integer, p_max_size integer, p_rate_count integer,
     p_rate_per_ms bigint, p_burst integer
 ) RETURNS void
-LANGUAGE plpgsql SET enable_seqscan = off AS $$
+-- (each slice read in name order from where the last one stopped, by index: not the queue's
+-- every lane hashed or sorted again)
+LANGUAGE plpgsql SET enable_seqscan = off SET enable_bitmapscan = off SET enable_hashagg = off
+AS $$
+DECLARE
+    v_after text COLLATE "C" := '';
+    v_lanes text[];
+    v_rows text[];
+    v_next text[];
+    v_slice text[];
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     PERFORM {schema}.queue_ensure_v1(p_queue);
     UPDATE {schema}.queue SET max_concurrency = p_max_concurrency, max_size = p_max_size,
         rate_count = p_rate_count, rate_per_ms = p_rate_per_ms, burst = p_burst
     WHERE name = p_queue;
-    -- 1. with a limit in force, every channel of the queue has a row (those with a lane and
-    -- none yet get one); the rows of the channels the default applies to are locked
-    IF p_max_size IS NOT NULL OR p_max_concurrency IS NOT NULL OR p_rate_count IS NOT NULL THEN
-        INSERT INTO {schema}.channel (queue, name)
-        SELECT DISTINCT l.queue, l.channel FROM {schema}.lane l WHERE l.queue = p_queue
-        ORDER BY 1, 2
-        ON CONFLICT DO NOTHING;
+    LOOP
+        -- the next 1,000 channels in name order that have a lane or a row (a row's range
+        -- bounded by the lanes', so that no slice reads to the end of the queue's rows)
+        v_lanes := ARRAY(SELECT DISTINCT l.channel FROM {schema}.lane l
+                         WHERE l.queue = p_queue AND l.channel > v_after ORDER BY 1 LIMIT 1000);
+        IF cardinality(v_lanes) = 1000 THEN
+            v_rows := ARRAY(SELECT c.name FROM {schema}.channel c
+                            WHERE c.queue = p_queue AND c.name > v_after
+                              AND c.name <= v_lanes[1000]
+                            ORDER BY c.name);
+        ELSE
+            v_rows := ARRAY(SELECT c.name FROM {schema}.channel c
+                            WHERE c.queue = p_queue AND c.name > v_after
+                            ORDER BY c.name LIMIT 1000);
+        END IF;
+        v_next := ARRAY(SELECT DISTINCT u.name FROM unnest(v_lanes || v_rows) AS u(name)
+                        ORDER BY 1 LIMIT 1000);
+        EXIT WHEN cardinality(v_next) = 0;
+        v_after := v_next[cardinality(v_next)];
+        -- (those without a policy of their own: one lookup each)
+        v_slice := ARRAY(SELECT u.name FROM unnest(v_next) AS u(name)
+                         WHERE NOT coalesce((SELECT c.has_policy FROM {schema}.channel c
+                                             WHERE c.queue = p_queue AND c.name = u.name), false)
+                         ORDER BY u.name);
+        IF cardinality(v_slice) > 0 THEN
+            PERFORM {schema}.queue_slice_apply_v1(p_queue, v_slice, p_max_concurrency,
+                p_max_size,
+                p_max_concurrency IS NOT NULL OR p_max_size IS NOT NULL OR p_rate_count IS NOT NULL);
+        END IF;
+    END LOOP;
+    -- the lanes (sleepers may be waiting for a turn one of them gets)
+    IF {schema}.queue_lanes_apply_v1(p_queue, p_max_concurrency,
+                                      p_max_concurrency IS NOT NULL OR p_rate_count IS NOT NULL) THEN
+        PERFORM {schema}.wake_v1(p_queue);
     END IF;
-    PERFORM 1 FROM {schema}.channel c WHERE c.queue = p_queue AND NOT c.has_policy
-    ORDER BY c.name FOR UPDATE;
-    -- 2. a limit that starts counting counts what each of them holds: max_size its messages,
-    -- max_concurrency its messages in flight
+END;
+$$;
+
+-- A slice of queue_policy_set_v2's channels (p_channels, in name order) brought in line with
+-- the queue's new default, channel_apply_v1's row steps: with a limit in force each has a row
+-- (inserted if missing), every row is locked in name order; a limit that starts counting
+-- counts what the channel holds (max_size its messages, max_concurrency its messages in
+-- flight); a row left with nothing to count goes.
+CREATE FUNCTION {schema}.queue_slice_apply_v1(
+    p_queue text, p_channels text[], p_max_concurrency integer, p_max_size integer,
+    p_limited boolean
+) RETURNS void
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+BEGIN
+    IF p_limited THEN
+        -- (a conflicting row is locked, not updated: WHERE false)
+        INSERT INTO {schema}.channel AS c (queue, name)
+        SELECT p_queue, u.name FROM unnest(p_channels) AS u(name) ORDER BY u.name
+        ON CONFLICT (queue, name) DO UPDATE SET name = EXCLUDED.name WHERE false;
+    ELSE
+        PERFORM 1 FROM {schema}.channel c
+        WHERE c.queue = p_queue AND c.name = ANY (p_channels) ORDER BY c.name FOR UPDATE;
+    END IF;
+    -- (the conditions on the updated row itself are checked again on its newest version: a
+    -- message deferred or acked meanwhile is not counted)
     IF p_max_size IS NOT NULL THEN
         WITH marked AS (
             UPDATE {schema}.message m SET sized = true
             WHERE m.id IN (
                 SELECT x.id FROM {schema}.message x
-                WHERE x.queue = p_queue AND x.locked_until IS NULL AND NOT x.sized
+                WHERE x.queue = p_queue AND x.channel = ANY (p_channels)
+                  AND x.locked_until IS NULL AND NOT x.sized
                 UNION ALL
                 SELECT x.id FROM {schema}.message x
-                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL AND NOT x.sized)
-              AND EXISTS (SELECT 1 FROM {schema}.channel c
-                          WHERE c.queue = p_queue AND c.name = m.channel AND NOT c.has_policy)
+                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                  AND x.channel = ANY (p_channels) AND NOT x.sized)
+              AND NOT m.sized
             RETURNING m.channel
         ), per AS (
             SELECT k.channel, count(*)::integer AS n FROM marked k GROUP BY k.channel
@@ -378,9 +441,9 @@ BEGIN
             UPDATE {schema}.message m SET slotted = true
             WHERE m.id IN (
                 SELECT x.id FROM {schema}.message x
-                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL AND NOT x.slotted)
-              AND EXISTS (SELECT 1 FROM {schema}.channel c
-                          WHERE c.queue = p_queue AND c.name = m.channel AND NOT c.has_policy)
+                WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
+                  AND x.channel = ANY (p_channels) AND NOT x.slotted)
+              AND m.locked_until IS NOT NULL AND NOT m.slotted
             RETURNING m.channel
         ), per AS (
             SELECT k.channel, count(*)::integer AS n FROM marked k GROUP BY k.channel
@@ -388,16 +451,10 @@ BEGIN
         UPDATE {schema}.channel c SET current_concurrency = c.current_concurrency + per.n
         FROM per WHERE c.queue = p_queue AND c.name = per.channel;
     END IF;
-    -- 3. a row left with nothing to count goes
     DELETE FROM {schema}.channel c
-    WHERE c.queue = p_queue AND NOT c.has_policy
+    WHERE c.queue = p_queue AND c.name = ANY (p_channels) AND NOT c.has_policy
       AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
       AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
-    -- 4. the lanes (sleepers may be waiting for a turn one of them gets)
-    IF {schema}.queue_lanes_apply_v1(p_queue, p_max_concurrency,
-                                      p_max_concurrency IS NOT NULL OR p_rate_count IS NOT NULL) THEN
-        PERFORM {schema}.wake_v1(p_queue);
-    END IF;
 END;
 $$;
 

@@ -70,6 +70,7 @@ DECLARE
     v_d {schema}.discovery;
     v_total bigint;
     v_sized text[];
+    v_sizes integer[];
     v_lanes {schema}.lane[];
 BEGIN
     -- with the ingest held, a message not ingested yet is counted as enqueued here
@@ -86,16 +87,20 @@ BEGIN
     ), counted AS (
         INSERT INTO {schema}.tally (queue, channel, enqueued, purged)
         SELECT p_queue, p.channel, p.f, p.n FROM per p
-    ), given AS (
-        -- (what the sized ones held on their channel row)
-        UPDATE {schema}.channel c SET current_size = GREATEST(0, c.current_size - p.s)
-        FROM per p WHERE c.queue = p_queue AND c.name = p.channel AND p.s > 0
     )
     SELECT coalesce(sum(p.n), 0),
-           coalesce(array_agg(p.channel ORDER BY p.channel) FILTER (WHERE p.s > 0), '{{}}')
-    INTO v_total, v_sized
+           coalesce(array_agg(p.channel ORDER BY p.channel) FILTER (WHERE p.s > 0), '{{}}'),
+           coalesce(array_agg(p.s ORDER BY p.channel) FILTER (WHERE p.s > 0), '{{}}')
+    INTO v_total, v_sized, v_sizes
     FROM per p;
-    -- a row left with nothing to count goes (channel_give_back_v1)
+    -- what the sized ones held on their channel rows, given back (channel_give_back_v1),
+    -- the rows locked in name order first, as every writer of channel rows locks them
+    PERFORM 1 FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = ANY (v_sized) ORDER BY c.name FOR UPDATE;
+    UPDATE {schema}.channel c SET current_size = GREATEST(0, c.current_size - u.s)
+    FROM unnest(v_sized, v_sizes) AS u(name, s)
+    WHERE c.queue = p_queue AND c.name = u.name;
+    -- a row left with nothing to count goes
     DELETE FROM {schema}.channel c
     WHERE c.queue = p_queue AND c.name = ANY (v_sized) AND NOT c.has_policy
       AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
