@@ -146,12 +146,14 @@ def test_heartbeat_keeps_lock(queue: lonnymq.Queue, conn: Conn) -> None:
 def test_lock_expiry_redelivers_first(queue: lonnymq.Queue, conn: Conn) -> None:
     ch = queue.channel("a")
     ch.message.create(conn, b"first")
-    lost = queue.dequeue(conn, lock_ms=100).messages[0]
+    # (500 ms: the next three calls must come before it passes, on a loaded machine too;
+    # with 100 ms, CI's full suite once saw the lock expire before them)
+    lost = queue.dequeue(conn, lock_ms=500).messages[0]
     ch.message.create(conn, b"second")
     nothing_yet = queue.dequeue(conn, limit=1, lock_ms=10_000).messages
     assert [m.content for m in nothing_yet] == [b"second"]
     assert not queue.dequeue(conn)
-    time.sleep(0.15)
+    time.sleep(0.55)
     again = queue.dequeue(conn, lock_ms=10_000).messages
     assert [(m.id, m.attempts) for m in again] == [(lost.id, 2)]
 
