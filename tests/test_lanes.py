@@ -7,7 +7,6 @@ removal, or still in its producer's transaction) is delivered, and the counters 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -18,6 +17,7 @@ from psycopg import sql
 
 import lonnymq
 from tests.invariants import assert_consistent
+from tests.test_concurrency import wait_blocked_by
 from tests.test_counters import counters, prune_now
 
 Conn = psycopg.Connection[Any]
@@ -227,10 +227,7 @@ def test_a_queue_wide_change_waits_for_a_lane_being_replaced_and_takes_its_succe
             done: Future[int | None] = pool.submit(queue.policy.set, admin, max_concurrency=5)
         else:
             done = pool.submit(queue.purge, admin)
-        deadline = time.monotonic() + 10
-        while owner.info.backend_pid not in blocking(conn, admin):
-            assert time.monotonic() < deadline and not done.done(), done
-            time.sleep(0.01)
+        wait_blocked_by(conn, admin, [owner])
         owner.commit()
         purged = done.result(timeout=30)
     live = conn.execute(
@@ -288,9 +285,3 @@ def test_a_queue_wide_change_keeps_lane_times_whatever_the_sessions_date_style(
             (c, None, at) for c, _, at, *_ in before
         ]
     assert_consistent(conn, broker.schema)
-
-
-def blocking(observer: Conn, waiter: Conn) -> list[int]:
-    row = observer.execute("SELECT pg_blocking_pids(%s)", (waiter.info.backend_pid,)).fetchone()
-    assert row is not None
-    return list(row[0])
