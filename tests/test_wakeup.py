@@ -312,6 +312,45 @@ def test_publish_between_empty_fetch_and_sleep_is_not_lost(
 
 
 @pytest.mark.parametrize("hub", LOOPS)
+def test_a_look_again_beside_a_long_ingest_is_not_lost(
+    make_connection: Callable[..., Connection],
+    drive: Callable[..., Driver],
+    monkeypatch: pytest.MonkeyPatch,
+    connect: Callable[..., psycopg.Connection[Any]],
+    schema: str,
+    hub: bool,
+) -> None:
+    """The same race, with another session's ingest running when the consumer looks again
+    (a sweep's, a busy consumer's on a loaded server): the look waits for it 50 ms at most,
+    then finds nothing ingested. It must look again soon, not sleep until the fallback poll
+    (the message was published with no sleeper: no NOTIFY comes)."""
+    producer = make_connection().Producer(serializer="json")
+    ingesting = connect(autocommit=False)
+    done = threading.Event()
+
+    def publish_first(change: sleep_module.Change) -> None:
+        if "race" in change.take and not done.is_set():
+            done.set()
+            producer.publish("raced", routing_key="race")  # committed, no sleeper: no NOTIFY
+            # (the ingest key held for 400 ms from now, as an ingest that runs that long)
+            ingesting.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                [f"lonnymq:{schema}:ingest"],
+            )
+            threading.Timer(0.4, ingesting.commit).start()
+
+    _with_hook(monkeypatch, publish_first)
+    consumer_conn = make_connection()
+    (race,) = declared(consumer_conn, "race")
+    received = Received()
+    consumer_conn.Consumer([race], callbacks=[received], accept=["json"]).consume()
+    started = time.monotonic()
+    drive(consumer_conn, hub)
+    assert received.wait("raced", timeout=5) - started < 1.5  # not the 30 s fallback poll
+    assert done.is_set()
+
+
+@pytest.mark.parametrize("hub", LOOPS)
 def test_publish_before_sleep_after_deliveries_is_not_lost(
     make_connection: Callable[..., Connection],
     drive: Callable[..., Driver],

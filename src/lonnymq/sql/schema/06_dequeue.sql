@@ -1178,13 +1178,16 @@ CREATE FUNCTION {schema}.dequeue_ingest_v1(
     OUT state {schema}.discovery, OUT waited boolean, OUT ingested_at timestamptz
 )
 LANGUAGE plpgsql AS $$
+DECLARE
+    v_from timestamptz := clock_timestamp();
 BEGIN
     state := p_state;
     waited := false;
     IF current_setting('lonnymq.fresh', true) = 'on' THEN
         PERFORM set_config('lonnymq.fresh', '', false);
         state := {schema}.ingest_wait_v1(p_queues);
-        waited := NOT p_listen;
+        -- (the other's ingest outlasted the wait: step 6 waits once more, see there)
+        waited := NOT p_listen AND state.taken_at >= v_from;
         ingested_at := clock_timestamp();
     ELSIF p_state.taken_at < p_now - interval '10 milliseconds'
           OR p_state.folded_at < p_now - interval '1 second'
@@ -1217,6 +1220,7 @@ DECLARE
     v_now timestamptz := p_now;
     v_slept boolean := false;
     v_waited boolean := false;
+    v_waited_from timestamptz;
     v_busy boolean := false;
     v_got integer := 0;
     v_dead integer := 0;
@@ -1323,9 +1327,14 @@ BEGIN
         -- (then ingest, waiting a little for an ingest another consumer is running: what it
         -- brings in is not deliverable before it commits, and answering "nothing" meanwhile
         -- would send this caller to sleep while messages wait)
+        --    When that ingest outlasts the wait, what it brings in is not seen and nothing
+        --    tells this caller when it commits (a producer that committed before the caller
+        --    slept sent no NOTIFY): the answer is then "look again in 20 ms" (v_busy).
         EXIT WHEN v_waited;
         v_waited := true;
+        v_waited_from := clock_timestamp();
         v_state := {schema}.ingest_wait_v1(p_queues);
+        v_busy := v_busy OR v_state.taken_at < v_waited_from;
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
