@@ -191,8 +191,7 @@ CREATE FUNCTION {schema}.channel_apply_v1(p_queue text, p_channel text) RETURNS 
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     v_lim record;
-    v_row {schema}.channel;
-    v_n integer;
+    v_in_flight integer;  -- (counted on the channel's row)
     v_lane {schema}.lane;
     v_put {schema}.lane;
     v_d {schema}.discovery;
@@ -200,52 +199,12 @@ DECLARE
     v_i integer;
 BEGIN
     SELECT * INTO v_lim FROM {schema}.channel_limits_v2(p_queue, p_channel);
-    IF v_lim.max_size IS NOT NULL OR v_lim.max_concurrency IS NOT NULL
-       OR v_lim.rate_count IS NOT NULL THEN
-        INSERT INTO {schema}.channel (queue, name) VALUES (p_queue, p_channel)
-        ON CONFLICT DO NOTHING;
-    END IF;
-    SELECT * INTO v_row FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = p_channel FOR UPDATE;
-    IF FOUND THEN
-        IF v_lim.max_size IS NOT NULL THEN
-            WITH marked AS (
-                UPDATE {schema}.message m SET sized = true
-                WHERE m.id IN (
-                    SELECT x.id FROM {schema}.message x
-                    WHERE x.queue = p_queue AND x.channel = p_channel AND x.locked_until IS NULL
-                      AND NOT x.sized
-                    UNION ALL
-                    SELECT x.id FROM {schema}.message x
-                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
-                      AND x.channel = p_channel AND NOT x.sized)
-                  AND NOT m.sized
-                RETURNING 1
-            )
-            SELECT count(*) INTO v_n FROM marked;
-            v_row.current_size := v_row.current_size + v_n;
-        END IF;
-        IF v_lim.max_concurrency IS NOT NULL THEN
-            WITH marked AS (
-                UPDATE {schema}.message m SET slotted = true
-                WHERE m.id IN (
-                    SELECT x.id FROM {schema}.message x
-                    WHERE x.queue = p_queue AND x.locked_until IS NOT NULL
-                      AND x.channel = p_channel AND NOT x.slotted)
-                  AND m.locked_until IS NOT NULL AND NOT m.slotted
-                RETURNING 1
-            )
-            SELECT count(*) INTO v_n FROM marked;
-            v_row.current_concurrency := v_row.current_concurrency + v_n;
-        END IF;
-        UPDATE {schema}.channel c SET
-            current_size = v_row.current_size, current_concurrency = v_row.current_concurrency
-        WHERE c.queue = p_queue AND c.name = p_channel;
-        DELETE FROM {schema}.channel c
-        WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
-          AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
-          AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
-    END IF;
+    -- the channel's row (queue_slice_apply_v1's steps, for this one channel)
+    PERFORM {schema}.queue_slice_apply_v1(p_queue, ARRAY[p_channel], v_lim.max_concurrency,
+        v_lim.max_size, v_lim.max_size IS NOT NULL OR v_lim.max_concurrency IS NOT NULL
+                        OR v_lim.rate_count IS NOT NULL);
+    SELECT c.current_concurrency INTO v_in_flight FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = p_channel;
     v_lane := {schema}.lane_lock_v1(p_queue, p_channel);
     IF v_lane.id IS NULL THEN
         RETURN false;
@@ -256,7 +215,7 @@ BEGIN
     -- owner reckons the tokens under the new one)
     v_put.not_before := NULL;
     IF v_lim.max_concurrency IS NOT NULL
-       AND coalesce(v_row.current_concurrency, 0) >= v_lim.max_concurrency THEN
+       AND coalesce(v_in_flight, 0) >= v_lim.max_concurrency THEN
         v_put.turn_at := NULL;
     ELSIF v_put.turn_at IS NULL OR v_lane.not_before IS NOT NULL THEN
         SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
@@ -319,13 +278,10 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
+    -- (its row, left with nothing to count, goes there)
     IF {schema}.channel_apply_v1(p_queue, p_channel) THEN
         PERFORM {schema}.wake_v1(p_queue);
     END IF;
-    DELETE FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = p_channel AND NOT c.has_policy
-      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
-      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
 END;
 $$;
 
@@ -395,6 +351,16 @@ BEGIN
 END;
 $$;
 
+-- The rows of p_channels (of p_queue) left with nothing to count (no policy of their own, no
+-- message sized or slotted, not freed, no rate debt) go: a channel without limits has no row.
+CREATE FUNCTION {schema}.channel_prune_v1(p_queue text, p_channels text[]) RETURNS void
+LANGUAGE sql AS $$
+    DELETE FROM {schema}.channel c
+    WHERE c.queue = p_queue AND c.name = ANY (p_channels) AND NOT c.has_policy
+      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
+      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
+$$;
+
 -- A slice of queue_policy_set_v2's channels (p_channels, in name order) brought in line with
 -- the queue's new default, channel_apply_v1's row steps: with a limit in force each has a row
 -- (inserted if missing), every row is locked in name order; a limit that starts counting
@@ -451,10 +417,7 @@ BEGIN
         UPDATE {schema}.channel c SET current_concurrency = c.current_concurrency + per.n
         FROM per WHERE c.queue = p_queue AND c.name = per.channel;
     END IF;
-    DELETE FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = ANY (p_channels) AND NOT c.has_policy
-      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
-      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
+    PERFORM {schema}.channel_prune_v1(p_queue, p_channels);
 END;
 $$;
 

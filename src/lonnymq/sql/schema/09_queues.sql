@@ -101,10 +101,7 @@ BEGIN
     FROM unnest(v_sized, v_sizes) AS u(name, s)
     WHERE c.queue = p_queue AND c.name = u.name;
     -- a row left with nothing to count goes
-    DELETE FROM {schema}.channel c
-    WHERE c.queue = p_queue AND c.name = ANY (v_sized) AND NOT c.has_policy
-      AND c.current_size = 0 AND c.current_concurrency = 0 AND NOT c.freed
-      AND (c.rate_tat IS NULL OR c.rate_tat <= clock_timestamp());
+    PERFORM {schema}.channel_prune_v1(p_queue, v_sized);
     -- the lanes have nothing left to give
     v_lanes := {schema}.queue_lanes_lock_v1(p_queue, false);
     SELECT coalesce(array_agg(
