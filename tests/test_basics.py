@@ -158,6 +158,30 @@ def test_lock_expiry_redelivers_first(queue: lonnymq.Queue, conn: Conn) -> None:
     assert [(m.id, m.attempts) for m in again] == [(lost.id, 2)]
 
 
+@pytest.mark.parametrize("fresh", [False, True], ids=["created_elsewhere", "created_here"])
+def test_a_dequeue_that_waited_in_vain_for_an_ingest_says_look_again_soon(
+    queue: lonnymq.Queue, conn: Conn, connect: Any, schema: str, fresh: bool
+) -> None:
+    """An empty answer while another session's ingest holds the key past the dequeue's wait
+    (50 ms) is "look again in 20 ms", not "nothing pending": what that ingest brings in is
+    not seen, and no NOTIFY will say when it commits (docs/design.md, "The dequeue", step 6).
+    Also when this session created the message (the dequeue waits for an ingest first)."""
+    queue.dequeue(conn)  # (the queue known to the ingest's state)
+    holder = connect(autocommit=False)
+    holder.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"lonnymq:{schema}:ingest"]
+    )
+    queue.channel("a").message.create(conn if fresh else connect(), b"late")
+    time.sleep(0.02)  # (the ingest's state older than its 10 ms tick)
+    try:
+        empty = queue.dequeue(conn, listen=False)
+        assert not empty and empty.retry_ms is not None and empty.retry_ms <= 20
+    finally:
+        holder.commit()
+    got = queue.dequeue(conn, listen=False)
+    assert [m.content for m in got.messages] == [b"late"]
+
+
 def test_retry_ms_reports_lock_expiry(queue: lonnymq.Queue, conn: Conn) -> None:
     queue.channel("a").message.create(conn, b"x")
     queue.dequeue(conn, lock_ms=2_000)
