@@ -589,7 +589,7 @@ API_FUNCTIONS = {
     "ingest_fresh_v1",
     "ingest_freed_v1",
     "ingest_positions_v1",
-    "ingest_wait_v1",
+    "ingest_wait_v2",
     "snapshot_v1",
     "fold_v1",
     "channel_headroom_v2",

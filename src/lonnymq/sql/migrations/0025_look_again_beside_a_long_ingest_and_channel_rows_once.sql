@@ -11,8 +11,32 @@
 -- busy consumer's); past that, until version 24, it answered "nothing" from the state before
 -- that ingest, and the consumer slept until its fallback poll although the message waited
 -- (seen in CI's full suite, where the machine is loaded). From version 25 the answer is then
--- "look again in 20 ms". dequeue_ingest_v1 and dequeue_general_v1 are replaced (internal,
--- same arguments and results).
+-- "look again in 20 ms". ingest_wait_v2 is ingest_wait_v1 that says whether it waited in
+-- vain; dequeue_ingest_v1 and dequeue_general_v1 are replaced to use it (internal, same
+-- arguments and results), and ingest_wait_v1, which nothing calls then, is dropped.
+
+-- Ingest, waiting (at most 50 ms) for an ingest another consumer is running: what it brings
+-- in is not deliverable before it commits. Past the 50 ms, the latest state as it is, and
+-- in_vain: what that ingest brings in is not in the state, and no NOTIFY will tell the caller
+-- when it commits (schema version 25).
+CREATE FUNCTION {schema}.ingest_wait_v2(
+    p_queues text[], OUT state {schema}.discovery, OUT in_vain boolean
+)
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
+DECLARE
+    v_timeout text := current_setting('lock_timeout');
+BEGIN
+    in_vain := false;
+    BEGIN
+        PERFORM set_config('lock_timeout', '50ms', true);
+        state := {schema}.ingest_v1(p_queues, true, false);
+    EXCEPTION WHEN lock_not_available THEN
+        SELECT * INTO state FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        in_vain := true;
+    END;
+    PERFORM set_config('lock_timeout', v_timeout, true);
+END;
+$$;
 
 -- Step 2: ingest what committed since the ingest's state p_state (read at p_now) when it
 -- is old: every 10 ms (which also moves the points from which lanes are read past the
@@ -32,15 +56,16 @@ CREATE OR REPLACE FUNCTION {schema}.dequeue_ingest_v1(
 )
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_from timestamptz := clock_timestamp();
+    v_wait record;
 BEGIN
     state := p_state;
     waited := false;
     IF current_setting('lonnymq.fresh', true) = 'on' THEN
         PERFORM set_config('lonnymq.fresh', '', false);
-        state := {schema}.ingest_wait_v1(p_queues);
+        SELECT * INTO v_wait FROM {schema}.ingest_wait_v2(p_queues);
+        state := v_wait.state;
         -- (the other's ingest outlasted the wait: step 6 waits once more, see there)
-        waited := NOT p_listen AND state.taken_at >= v_from;
+        waited := NOT p_listen AND NOT v_wait.in_vain;
         ingested_at := clock_timestamp();
     ELSIF p_state.taken_at < p_now - interval '10 milliseconds'
           OR p_state.folded_at < p_now - interval '1 second'
@@ -73,7 +98,7 @@ DECLARE
     v_now timestamptz := p_now;
     v_slept boolean := false;
     v_waited boolean := false;
-    v_waited_from timestamptz;
+    v_wait record;
     v_busy boolean := false;
     v_got integer := 0;
     v_dead integer := 0;
@@ -185,9 +210,9 @@ BEGIN
         --    slept sent no NOTIFY): the answer is then "look again in 20 ms" (v_busy).
         EXIT WHEN v_waited;
         v_waited := true;
-        v_waited_from := clock_timestamp();
-        v_state := {schema}.ingest_wait_v1(p_queues);
-        v_busy := v_busy OR v_state.taken_at < v_waited_from;
+        SELECT * INTO v_wait FROM {schema}.ingest_wait_v2(p_queues);
+        v_state := v_wait.state;
+        v_busy := v_busy OR v_wait.in_vain;
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
@@ -208,6 +233,8 @@ BEGIN
     END IF;
 END;
 $$;
+
+DROP FUNCTION {schema}.ingest_wait_v1(text[]);
 
 -- =============================================================================================
 -- A channel row's steps written once
@@ -430,5 +457,6 @@ ALTER FUNCTION {schema}.channel_policy_clear_v1(text, text)
 ALTER FUNCTION {schema}.queue_purge_v1(text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
--- (as every function of the schema: nobody but the owner may call the new one directly)
+-- (as every function of the schema: nobody but the owner may call the new ones directly)
 REVOKE ALL ON FUNCTION {schema}.channel_prune_v1(text, text[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION {schema}.ingest_wait_v2(text[]) FROM PUBLIC;

@@ -407,21 +407,25 @@ END;
 $$;
 
 -- Ingest, waiting (at most 50 ms) for an ingest another consumer is running: what it brings
--- in is not deliverable before it commits. Past the 50 ms, the latest state as it is.
-CREATE FUNCTION {schema}.ingest_wait_v1(p_queues text[]) RETURNS {schema}.discovery
+-- in is not deliverable before it commits. Past the 50 ms, the latest state as it is, and
+-- in_vain: what that ingest brings in is not in the state, and no NOTIFY will tell the caller
+-- when it commits (schema version 25).
+CREATE FUNCTION {schema}.ingest_wait_v2(
+    p_queues text[], OUT state {schema}.discovery, OUT in_vain boolean
+)
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
-    v_d {schema}.discovery;
     v_timeout text := current_setting('lock_timeout');
 BEGIN
+    in_vain := false;
     BEGIN
         PERFORM set_config('lock_timeout', '50ms', true);
-        v_d := {schema}.ingest_v1(p_queues, true, false);
+        state := {schema}.ingest_v1(p_queues, true, false);
     EXCEPTION WHEN lock_not_available THEN
-        SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        SELECT * INTO state FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
+        in_vain := true;
     END;
     PERFORM set_config('lock_timeout', v_timeout, true);
-    RETURN v_d;
 END;
 $$;
 

@@ -1179,15 +1179,16 @@ CREATE FUNCTION {schema}.dequeue_ingest_v1(
 )
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_from timestamptz := clock_timestamp();
+    v_wait record;
 BEGIN
     state := p_state;
     waited := false;
     IF current_setting('lonnymq.fresh', true) = 'on' THEN
         PERFORM set_config('lonnymq.fresh', '', false);
-        state := {schema}.ingest_wait_v1(p_queues);
+        SELECT * INTO v_wait FROM {schema}.ingest_wait_v2(p_queues);
+        state := v_wait.state;
         -- (the other's ingest outlasted the wait: step 6 waits once more, see there)
-        waited := NOT p_listen AND state.taken_at >= v_from;
+        waited := NOT p_listen AND NOT v_wait.in_vain;
         ingested_at := clock_timestamp();
     ELSIF p_state.taken_at < p_now - interval '10 milliseconds'
           OR p_state.folded_at < p_now - interval '1 second'
@@ -1220,7 +1221,7 @@ DECLARE
     v_now timestamptz := p_now;
     v_slept boolean := false;
     v_waited boolean := false;
-    v_waited_from timestamptz;
+    v_wait record;
     v_busy boolean := false;
     v_got integer := 0;
     v_dead integer := 0;
@@ -1332,9 +1333,9 @@ BEGIN
         --    slept sent no NOTIFY): the answer is then "look again in 20 ms" (v_busy).
         EXIT WHEN v_waited;
         v_waited := true;
-        v_waited_from := clock_timestamp();
-        v_state := {schema}.ingest_wait_v1(p_queues);
-        v_busy := v_busy OR v_state.taken_at < v_waited_from;
+        SELECT * INTO v_wait FROM {schema}.ingest_wait_v2(p_queues);
+        v_state := v_wait.state;
+        v_busy := v_busy OR v_wait.in_vain;
         v_ingested := true;
         v_now := clock_timestamp();
     END LOOP;
