@@ -180,6 +180,14 @@ def queue(broker: lonnymq.Broker) -> lonnymq.Queue:
     return broker.queue("default")
 
 
+def hold_ingest_key(conn: Conn, schema: str) -> None:
+    """Take ``schema``'s ingest key in ``conn``'s transaction (a connection without
+    autocommit), as a running ingest holds it: until that transaction ends."""
+    conn.execute(
+        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"lonnymq:{schema}:ingest"]
+    )
+
+
 # --- kombu connections -------------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import lonnymq
 from lonnymq import Created, Deduplicated, Outcome
+from tests.conftest import hold_ingest_key
 
 Conn = psycopg.Connection[Any]
 
@@ -168,9 +169,7 @@ def test_a_dequeue_that_waited_in_vain_for_an_ingest_says_look_again_soon(
     Also when this session created the message (the dequeue waits for an ingest first)."""
     queue.dequeue(conn)  # (the queue known to the ingest's state)
     holder = connect(autocommit=False)
-    holder.execute(
-        "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", [f"lonnymq:{schema}:ingest"]
-    )
+    hold_ingest_key(holder, schema)
     queue.channel("a").message.create(conn if fresh else connect(), b"late")
     time.sleep(0.02)  # (the ingest's state older than its 10 ms tick)
     try:

@@ -30,6 +30,7 @@ import lonnymq
 from lonnymq.transport import sleep as sleep_module
 from lonnymq.transport.connection import Waiter
 from lonnymq.transport.transport import Transport
+from tests.conftest import hold_ingest_key
 
 Conn = psycopg.Connection[Any]
 
@@ -330,14 +331,9 @@ def test_a_look_again_beside_a_long_ingest_is_not_lost(
 
     def publish_first(change: sleep_module.Change) -> None:
         if "race" in change.take and not done.is_set():
-            done.set()
             producer.publish("raced", routing_key="race")  # committed, no sleeper: no NOTIFY
-            # (the ingest key held for 400 ms from now, as an ingest that runs that long)
-            ingesting.execute(
-                "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                [f"lonnymq:{schema}:ingest"],
-            )
-            threading.Timer(0.4, ingesting.commit).start()
+            hold_ingest_key(ingesting, schema)  # (released 400 ms later, below)
+            done.set()
 
     _with_hook(monkeypatch, publish_first)
     consumer_conn = make_connection()
@@ -346,8 +342,12 @@ def test_a_look_again_beside_a_long_ingest_is_not_lost(
     consumer_conn.Consumer([race], callbacks=[received], accept=["json"]).consume()
     started = time.monotonic()
     drive(consumer_conn, hub)
+    try:
+        assert done.wait(5)
+        time.sleep(0.4)  # (as an ingest that runs that long)
+    finally:
+        ingesting.commit()
     assert received.wait("raced", timeout=5) - started < 1.5  # not the 30 s fallback poll
-    assert done.is_set()
 
 
 @pytest.mark.parametrize("hub", LOOPS)

@@ -21,6 +21,7 @@ from psycopg import sql
 
 import lonnymq
 from lonnymq.queue.operate import Counters
+from tests.conftest import hold_ingest_key
 from tests.invariants import assert_consistent
 from tests.test_counters import counters
 
@@ -201,10 +202,7 @@ def test_no_take_while_an_ingest_runs_and_none_counts_twice(
     asleep(broker, conn)
     made = lonnymq_id(broker.queue("q").channel("a").message.create(producer, "job"))
     ingesting = connect(autocommit=False)
-    ingesting.execute(  # what a running ingest holds
-        "SELECT pg_advisory_xact_lock(hashtextextended(%s || 'ingest', 0))",
-        (f"lonnymq:{broker.schema}:",),
-    )
+    hold_ingest_key(ingesting, broker.schema)
     try:
         held = broker.dequeue(conn, ["q"], listen=False)
     finally:
