@@ -580,6 +580,7 @@ def test_migrations_default_schema_and_shape() -> None:
 # The functions the Python queue API reaches; all must run with an empty search_path.
 API_FUNCTIONS = {
     "queue_ensure_v1",
+    "queue_expiring_v1",
     "wake_v1",
     "lane_put_v1",
     "message_create_sized_v1",
@@ -686,6 +687,8 @@ def test_everything_works_with_an_empty_search_path(
     time.sleep(0.01)
     assert queue.dequeue(conn, lock_ms=60_000).messages[0].id == lost.id
 
+    # the queues with an x-expires (none here)
+    assert broker.expiring(conn) == []
     # nothing due: retry_ms
     empty = queue.dequeue(conn)
     assert not empty and empty.retry_ms is not None
@@ -1090,3 +1093,55 @@ def test_upgrade_to_version_10_forwards_grants_and_keeps_queues(
         for role in (worker, admin):
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_upgrade_to_version_26_forwards_grants_and_keeps_expiring_queues(
+    schema: str, connect: Callable[..., Conn]
+) -> None:
+    """Migration 26 (a queue's use recorded lazily, and allowed for by the sweep): a role
+    granted under version 25 may list the expiring queues with the new function; a queue
+    declared before keeps its x-expires and is listed as used just now; one unused for
+    longer than its x-expires goes at the next sweep."""
+    conn = connect()
+    for _, text in lonnymq.migrations(schema)[:25]:
+        with conn.transaction():
+            conn.execute(text.encode())
+    s = sql.Identifier(schema)
+    conn.execute(
+        sql.SQL("SELECT {}.queue_declare_v2('reply', 86400000, NULL, true, NULL)").format(s)
+    )
+    conn.execute(sql.SQL("SELECT {}.queue_declare_v2('old', 1000, NULL, false, NULL)").format(s))
+    conn.execute(
+        sql.SQL(
+            "UPDATE {}.queue SET used_at = now() - interval '5 seconds' WHERE name = 'old'"
+        ).format(s)
+    )
+    role = f"lmq_p26_{uuid.uuid4().hex[:8]}"
+    conn.execute(sql.SQL("CREATE ROLE {}").format(sql.Identifier(role)))
+    try:
+        for statement in (  # as version 25's lonnymq.grant gave a producer
+            "GRANT USAGE ON SCHEMA {} TO {}",
+            "GRANT SELECT ON {}.queue TO {}",
+            "GRANT EXECUTE ON FUNCTION {}.queue_status_v1(boolean) TO {}",
+        ):
+            conn.execute(sql.SQL(statement).format(s, sql.Identifier(role)))
+        name, text = lonnymq.migrations(schema)[25]
+        assert name == "0026_a_queue_used_within_its_expiry_stays"
+        with conn.transaction():
+            conn.execute(text.encode())
+        assert migrator.installed_version(conn, schema) == 26
+        row = conn.execute(
+            "SELECT has_function_privilege(%s, %s, 'EXECUTE')",
+            (role, f"{schema}.queue_expiring_v1()"),
+        ).fetchone()
+        assert row == (True,)
+        broker = lonnymq.Broker(schema)
+        listed = {e.queue: e for e in broker.expiring(conn)}
+        assert listed["reply"].expires_ms == 86_400_000 and not listed["reply"].expired
+        assert listed["reply"].unused_seconds == 0.0  # recorded now, less its lag (a minute)
+        assert listed["old"].expired and listed["old"].unused_seconds > 3.5
+        assert broker.expire(conn) == (0, 1)
+        assert [e.queue for e in broker.expiring(conn)] == ["reply"]
+    finally:
+        conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

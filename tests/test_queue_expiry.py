@@ -383,6 +383,54 @@ def test_a_late_publish_does_not_re_create_a_queue_swept_at_its_expiry(
         assert messages_of(conn, schema, "reply.late") == 0
 
 
+@pytest.mark.parametrize("expires", [0.5, 3.0], ids=["half_a_second", "three_seconds"])
+def test_a_queue_declared_again_and_again_never_expires(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str, expires: float
+) -> None:
+    """A queue declared again more often than its ``x-expires`` (as Celery's ``rpc://``
+    client declares its reply queue before every task) is in use: no sweep takes it, and
+    the message it holds stays. (A declare records its use lazily, so a queue declared
+    every 0.15 s with an ``x-expires`` of 0.5 s was swept as unused: the second before
+    version 26 records no use.)"""
+    broker = lonnymq.Broker(schema)
+    with make_connection() as c:
+        q = Queue("reply.busy", expires=expires)
+        q(c.default_channel).declare()
+        c.Producer().publish("kept", routing_key="reply.busy")
+        deadline = time.monotonic() + max(2.0, 1.5 * expires)
+        while time.monotonic() < deadline:
+            time.sleep(0.15)
+            q(c.default_channel).declare()
+            broker.expire(conn)  # another client's sweep, right after the declare
+        assert messages_of(conn, schema, "reply.busy") == 1
+        # and it still goes when it is no longer used
+        time.sleep(expires * 1.2)
+        wait_for(lambda: broker.expire(conn)[1] == 1, expires + 5, "its expiry")
+        assert queue_row(conn, schema, "reply.busy") is None
+
+
+def test_a_reply_queue_declared_again_writes_nothing(
+    broker: lonnymq.Broker, conn: Conn, schema: str
+) -> None:
+    """Celery's ``rpc://`` client declares its reply queue (``x-expires`` a day) before
+    every task it sends: a declare a second after the last one writes nothing (no durable
+    commit to wait for); a declare that changes an argument does."""
+    declare = sql.SQL(
+        "SELECT * FROM {}.queue_declare_v2('reply.rpc', %s, NULL, true, NULL)"
+    ).format(sql.Identifier(schema))
+    written = "SELECT pg_current_xact_id_if_assigned() IS NOT NULL"
+    with conn.transaction():
+        conn.execute(declare, (86_400_000,))
+        assert conn.execute(written).fetchone() == (True,)  # created
+    time.sleep(1.1)
+    with conn.transaction():
+        assert conn.execute(declare, (86_400_000,)).fetchone() == (0, 0)
+        assert conn.execute(written).fetchone() == (False,)
+    with conn.transaction():
+        conn.execute(declare, (3_600_000,))
+        assert conn.execute(written).fetchone() == (True,)
+
+
 @pytest.mark.slow
 def test_pidbox_queue_of_a_killed_worker_is_swept_by_a_producer(
     app: App, pg_dsn: str, conn: Conn, schema: str

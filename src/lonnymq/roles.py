@@ -48,6 +48,7 @@ _PRODUCER = (
     "queue_bind_v1",
     "queue_stats_v1",
     "queue_status_v1",
+    "queue_expiring_v1",
     "horizon_v1",
     "rate_held_v1",
     "consumer_list_v1",

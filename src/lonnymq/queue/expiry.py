@@ -15,19 +15,18 @@ from ._ops import Op, Rows, no_result, render
 
 _TOUCH: LiteralString = "SELECT {schema}.queue_touch_v1(%s::text[])"
 _EXPIRE: LiteralString = "SELECT messages, queues FROM {schema}.expire_v1(%s::integer)"
-# the queue table is readable by every role kind (lonnymq.roles)
 _EXPIRING: LiteralString = (
-    "SELECT q.name, q.expires_ms, extract(epoch FROM clock_timestamp() - q.used_at)::float8 "
-    "FROM {schema}.queue q WHERE q.expires_ms IS NOT NULL ORDER BY q.name"
+    "SELECT name, expires_ms, unused_seconds FROM {schema}.queue_expiring_v1()"
 )
 _HOUSEKEEP: LiteralString = "SELECT {schema}.housekeep_v1(%s::integer)"
 
 
 @dataclass(frozen=True, slots=True)
 class QueueExpiry:
-    """A queue with an ``x-expires``: how long it may stay unused, how long it has been
-    (no consumer touched it, nobody declared it). ``expired``: past it, and still here
-    because no client of the schema has swept since (``lonnymq housekeep`` does)."""
+    """A queue with an ``x-expires``: how long it may stay unused, how long it has been at
+    least (no consumer touched it, nobody declared it; a use is recorded lazily, up to a
+    tenth of the ``x-expires`` and at most a minute late). ``expired``: past it, and still
+    here because no client of the schema has swept since (``lonnymq housekeep`` does)."""
 
     queue: str
     expires_ms: int

@@ -324,10 +324,11 @@ class Transport(virtual.Transport):
     def touch_seconds(self) -> float:
         """How often a consumer marks the queues it consumes used, so that no sweep takes a
         queue with a live consumer for unused: every 5 s, or often enough for the shortest
-        ``x-expires`` among them that this process declared (a touch writes only when the
-        last one is a second old, so a queue is at most 1 s + this interval unused: half of
-        what its x-expires leaves beyond that second, at least 0.25 s; enough for an
-        x-expires of 1.5 s or more)."""
+        ``x-expires`` among them that this process declared: half of it, at least 0.1 s
+        (enough for an x-expires of 0.2 s or more). A touch writes only when the recorded
+        use is further behind than the sweep allows for (``queue_use_lag_v1``: a tenth of
+        the x-expires, at most a minute), so what keeps a queue is a touch within its
+        x-expires."""
         active: set[str] = set()
         for channel in list(self.channels):
             active.update(channel._active_queues)
@@ -335,7 +336,7 @@ class Transport(virtual.Transport):
         shortest = min((ms for ms in known if ms), default=None)
         if shortest is None:
             return 5.0
-        return min(5.0, max(0.25, (shortest - 1000) / 2000))
+        return min(5.0, max(0.1, shortest / 2000))
 
     def _ensure_heartbeat(self) -> None:
         beat = self._heartbeat

@@ -23,7 +23,8 @@ BEGIN
     WHERE q.id = v_queue_id
       AND (q.expires_ms IS DISTINCT FROM p_expires_ms
            OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
-           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
+           OR (p_expires_ms IS NOT NULL
+               AND q.used_at < clock_timestamp() - {schema}.queue_use_lag_v1(p_expires_ms)));
     SELECT t.waiting, t.in_flight INTO waiting, in_flight FROM {schema}.queue_totals_v1(p_queue) AS t;
 END;
 $$;
@@ -31,9 +32,9 @@ $$;
 -- Declare a queue with kombu's arguments: as queue_declare_v1, and auto_delete (the queue
 -- goes when its last consumer does) and max_priority (a message's priority above it is
 -- stored as it). A declare brings back a queue that went (queue_gone). (One statement writes
--- the queue's row, and only when something changed or a queue with an expiry was last used
--- more than a second ago: Celery's rpc:// client declares its reply queue before every task
--- it sends.)
+-- the queue's row, and only when something changed or the recorded use of a queue with an
+-- expiry is further behind than queue_use_lag_v1 allows: Celery's rpc:// client declares its
+-- reply queue before every task it sends.)
 CREATE FUNCTION {schema}.queue_declare_v2(
     p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint, p_auto_delete boolean,
     p_max_priority integer, OUT waiting bigint, OUT in_flight bigint
@@ -54,7 +55,8 @@ BEGIN
            OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
            OR q.auto_delete IS DISTINCT FROM p_auto_delete
            OR q.max_priority IS DISTINCT FROM p_max_priority
-           OR (p_expires_ms IS NOT NULL AND q.used_at < clock_timestamp() - interval '1 second'));
+           OR (p_expires_ms IS NOT NULL
+               AND q.used_at < clock_timestamp() - {schema}.queue_use_lag_v1(p_expires_ms)));
     DELETE FROM {schema}.queue_gone g WHERE g.name = p_queue;
     SELECT t.waiting, t.in_flight INTO waiting, in_flight FROM {schema}.queue_totals_v1(p_queue) AS t;
 END;

@@ -9,12 +9,37 @@
 -- counts).
 -- ---------------------------------------------------------------------------------------------
 
+-- How far a queue's recorded use (used_at) may be behind its last use: a declare or a touch
+-- writes used_at only when it is older than this, a tenth of the queue's x-expires and at
+-- most a minute (Celery's rpc:// client declares its reply queue, x-expires a day, before
+-- every task: a write, a durable commit, a minute at most). A sweep takes a queue for unused
+-- only this long past its x-expires, so never one used within its x-expires; it goes at most
+-- a tenth of it late. (Until version 25: one second for every queue, and the sweep did not
+-- allow for it: a queue with an x-expires under a second, declared again and again, went
+-- while in use.)
+CREATE FUNCTION {schema}.queue_use_lag_v1(p_expires_ms bigint) RETURNS interval
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT least(p_expires_ms / 10, 60000) * interval '1 millisecond'
+$$;
+
 -- Mark queues with an x-expires as used now (consumers call this periodically).
 CREATE FUNCTION {schema}.queue_touch_v1(p_queues text[]) RETURNS void
 LANGUAGE sql AS $$
     UPDATE {schema}.queue SET used_at = clock_timestamp()
     WHERE name = ANY (p_queues) AND expires_ms IS NOT NULL
-      AND used_at < clock_timestamp() - interval '1 second';
+      AND used_at < clock_timestamp() - {schema}.queue_use_lag_v1(expires_ms);
+$$;
+
+-- The queues with an x-expires, and how long each has been unused at least (its recorded
+-- use, less what that may be behind: queue_use_lag_v1); past its x-expires, a queue goes at
+-- the next sweep (expire_v1).
+CREATE FUNCTION {schema}.queue_expiring_v1()
+RETURNS TABLE (name text, expires_ms bigint, unused_seconds float8)
+LANGUAGE sql STABLE AS $$
+    SELECT q.name, q.expires_ms,
+           greatest(0, extract(epoch FROM clock_timestamp() - q.used_at
+                                          - {schema}.queue_use_lag_v1(q.expires_ms)))::float8
+    FROM {schema}.queue q WHERE q.expires_ms IS NOT NULL ORDER BY q.name
 $$;
 
 -- A client's consumers as they are now (p_tags, with their queue, no-ack flag, prefetch and
@@ -175,6 +200,7 @@ BEGIN
         SELECT q.name, q.expires_ms FROM {schema}.queue q
         WHERE q.expires_ms IS NOT NULL
           AND q.used_at < v_now - q.expires_ms * interval '1 millisecond'
+                          - {schema}.queue_use_lag_v1(q.expires_ms)
         ORDER BY q.name
     LOOP
         PERFORM {schema}.queue_delete_v1(r.name);

@@ -151,3 +151,5 @@ ALTER FUNCTION {schema}.message_list_v2(text, text, text, bigint, integer, text,
 ALTER FUNCTION {schema}.channel_list_v3(text, integer, text)
     SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
 
+ALTER FUNCTION {schema}.queue_expiring_v1()
+    SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET jit = off;
