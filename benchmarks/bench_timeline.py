@@ -123,10 +123,11 @@ def run(
 
 
 def run_roundtrip(
-    spec: BrokerSpec, tasks: int, gap: float, idle: float, tmp: Path
+    spec: BrokerSpec, tasks: int, gap: float, idle: float, tmp: Path, show: int = 0
 ) -> dict[str, float]:
     """Per step of ``add.delay(i, 1).get()`` with the ``rpc://`` backend, the median ms from
-    just before ``delay()``."""
+    just before ``delay()``; the steps of the first ``show`` round trips are printed one by
+    one (the first ones after the warm-up are the slowest)."""
     qname = f"bench_tl_{uuid.uuid4().hex[:8]}"
     marks_file = tmp / f"{qname}.marks"
     os.environ["BENCH_TIMELINE_MARKS"] = str(marks_file)  # (this process's marks: the client)
@@ -170,9 +171,10 @@ def run_roundtrip(
     marks = marks_pids(marks_file)
     pool = {pid for tag, _, pid in marks if tag == "started"}  # (the pool processes)
     steps: dict[str, list[float]] = {step: [] for step in ROUNDTRIP_STEPS}
-    for begin, sent, got in trips:
+    for number, (begin, sent, got) in enumerate(trips):
         steps["sent"].append(sent - begin)
         steps["got"].append(got - begin)
+        shown = {"sent": sent - begin, "got": got - begin}
         for tag, at, pid in marks:
             if not begin <= at <= got:
                 continue
@@ -184,6 +186,13 @@ def run_roundtrip(
                 continue
             if name in steps and len(steps[name]) < len(steps["got"]):
                 steps[name].append(at - begin)  # (the first of its kind in this trip)
+                shown[name] = at - begin
+        if number < show:
+            ordered = sorted(shown.items(), key=lambda item: item[1])
+            print(
+                f"{spec.name} trip {number}: "
+                + ", ".join(f"{n} {v * 1000:.1f}" for n, v in ordered)
+            )
     return {step: statistics.median(v) * 1000 for step, v in steps.items() if v}
 
 
@@ -199,6 +208,13 @@ def main() -> None:
         action="store_true",
         help="add.delay(1, 1).get() with rpc://, on to the reply",
     )
+    parser.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --roundtrip: print the steps of the first N round trips one by one",
+    )
     args = parser.parse_args()
     specs, missing = make_brokers(args.brokers.split(","), uuid.uuid4().hex[:8])
     for name, why in missing.items():
@@ -207,7 +223,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_timeline_") as tmp:
         for spec in specs:
             if args.roundtrip:
-                results[spec.name] = run_roundtrip(spec, args.tasks, args.gap, args.idle, Path(tmp))
+                results[spec.name] = run_roundtrip(
+                    spec, args.tasks, args.gap, args.idle, Path(tmp), args.show
+                )
             else:
                 results[spec.name] = run(
                     spec, args.pool, args.tasks, args.gap, args.idle, Path(tmp)
