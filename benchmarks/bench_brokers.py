@@ -910,6 +910,8 @@ class Bench(WakeupScenarios):
                 "--without-gossip",
                 "--without-mingle",
                 "--without-heartbeat",
+                "--prefetch-multiplier",
+                str(self.args.prefetch_multiplier),
             ]
             launched = time.time()
             with log_file.open("wb") as log:
@@ -1506,6 +1508,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=5.0,
         help="seconds a worker stays idle before the pickup scenario's tasks (default 5)",
+    )
+    p.add_argument(
+        "--prefetch-multiplier",
+        type=int,
+        default=4,
+        help="the celery scenario's workers' --prefetch-multiplier (default 4, Celery's)",
     )
     p.add_argument(
         "--lonnymq-options",
