@@ -162,6 +162,13 @@ def interval(tag):
 def chan(tenant, x):
     append("chan", f"{tenant} {x}")
     return f"{tenant}:{x * 2}"
+
+
+@app.task(name="t.checked", shared=False)
+def checked():
+    """The schemas this process has checked (lonnymq checks one once per process)."""
+    from lonnymq.transport import connection
+    return sorted(schema for _, schema in connection._INSTALLED)
 '''
 
 
@@ -403,34 +410,16 @@ def test_pools_run_tasks_and_return_results(
     assert got == [2 * i for i in range(100)]
 
 
-#: App source: a task ``t.checked`` that says whether its process has checked the schema.
-CHECKED_TASK = """
-
-@app.task(name="t.checked", shared=False)
-def checked():
-    from lonnymq.transport import connection
-    return sorted(schema for _, schema in connection._INSTALLED)
-"""
-
-
 def test_pool_processes_start_with_the_schema_checked(
-    tmp_path: Path, pg_dsn: str, schema: str
+    env: Env, workers: Callable[..., Worker]
 ) -> None:
     """A prefork worker with Celery's defaults checks the schema before its pool forks: each
     pool process starts with it checked, and its first task's result is not held up by the
     check (a new session's catalog read, about 9 ms on a quiet machine)."""
-    started: list[Worker] = []
-    with app_env(tmp_path, pg_dsn, schema, CHECKED_TASK) as environment:
-        try:
-            name = f"w{uuid.uuid4().hex[:8]}"
-            argv = worker_args(name, "celery", "--pool", "prefork", "-c", "2")
-            worker = launch(environment.dir, environment.module, name, argv, started)
-            checked = environment.task("checked")
-            got = [checked.delay().get(timeout=30) for _ in range(4)]
-            assert all(g == [schema] for g in got), f"{got}\n{worker.log_tail()}"
-        finally:
-            for w in started:
-                _stop(w)
+    worker = workers("--pool", "prefork", "-c", "2")
+    checked = env.task("checked")
+    got = [checked.delay().get(timeout=30) for _ in range(4)]
+    assert all(g == [env.schema] for g in got), f"{got}\n{worker.log_tail()}"
 
 
 def missing_tasks(env: Env, pg_dsn: str, worker: Worker, results: list[Any]) -> str:
