@@ -803,11 +803,15 @@ def test_message_published_while_listen_connection_opens_is_not_missed(
 ) -> None:
     """The consumer's URL lists, before the real server, a port that accepts TCP connections
     but never answers, with connect_timeout=1: each connection it opens first waits ~2 s
-    there. So the LISTEN connection, opened at its first idle wait, takes ~2 s to set up.
-    A message published meanwhile must be consumed as soon as the LISTEN is in place, not
-    at the next poll (polling_interval=6)."""
+    there. Its LISTEN connection, opened when it starts consuming, is cut while it is idle,
+    so the one it opens again takes ~2 s to set up. A message published meanwhile must be
+    consumed as soon as the LISTEN is in place, not at the next poll (polling_interval=6)."""
     polling = 6.0
     blackhole = socket.socket()
+    listening_query = (
+        "SELECT pid FROM pg_stat_activity WHERE application_name = 'lonnymq-listen' "
+        "AND position(%s in query) > 0"
+    )
     try:
         blackhole.bind(("127.0.0.1", 0))
         blackhole.listen(16)
@@ -821,20 +825,25 @@ def test_message_published_while_listen_connection_opens_is_not_missed(
             "consumer", mode="plain", url=slow_url, options={**options, "connect_timeout": 1},
             expect=1, drain_timeout=60, **topology,
         )  # fmt: skip
-        ready_at = consumer.wait_ready()
-        time.sleep(0.5)  # its first dequeue found nothing; it is opening the LISTEN connection
-        listening = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'lonnymq-listen' "
-            "AND position(%s in query) > 0",
-            (schema,),
-        ).fetchone()
-        assert listening == (0,), "the LISTEN connection was already open: no race to test"
+        consumer.wait_ready()
+        deadline = time.monotonic() + 10
+        pids: list[tuple[Any, ...]] = []
+        while not pids and time.monotonic() < deadline:  # asleep on its LISTEN session
+            pids = conn.execute(listening_query, (schema,)).fetchall()
+            time.sleep(0.05)
+        assert len(pids) == 1, pids
+        conn.execute("SELECT pg_terminate_backend(%s)", (pids[0][0],))
+        cut_at = time.time()
+        time.sleep(0.5)  # it is opening the LISTEN connection again, ~2 s
+        assert conn.execute(listening_query, (schema,)).fetchall() == [], (
+            "the LISTEN connection was already open again: no race to test"
+        )
         with publisher(lonnymq_url(pg_dsn), options) as publish:
             publish("lw.direct", "w", 1)
         consumer.join(timeout=polling + 5)
     finally:
         blackhole.close()
     [msg] = consumer.events("msg")
-    took = msg["t"] - ready_at
-    print(f"\nlost wake-up: published 0.5 s after ready, received after {took:.2f} s")
-    assert took < polling - 2, f"received only at the next poll, {took:.2f} s after ready"
+    took = msg["t"] - cut_at
+    print(f"\nlost wake-up: published 0.5 s after the cut, received after {took:.2f} s")
+    assert took < polling - 2, f"received only at the next poll, {took:.2f} s after the cut"

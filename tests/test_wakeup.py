@@ -570,6 +570,28 @@ def test_idle_consumer_makes_no_round_trip(
     assert woken.count("dequeue") == 1, woken
 
 
+def test_a_consumer_listens_from_the_moment_it_consumes(
+    make_connection: Callable[..., Connection], conn: psycopg.Connection[Any]
+) -> None:
+    """A consumer's LISTEN session opens when it starts consuming, not at its first wait:
+    Celery's ``rpc://`` client, handed its first reply before it ever slept, opened it (and
+    ran its first sleep there) during its second ``get()``, which took 2-3 times a usual
+    round trip (21-25 ms against 8-9)."""
+    c = make_connection()
+    queue = declared(c, "early")[0]
+    waiter = c.transport.waiter
+    assert waiter.session is None  # a producer, a declare: no LISTEN session
+    Consumer(c.channel(), [queue], callbacks=[Received()], accept=["json"]).consume()
+    assert waiter.session is not None
+    listen, _ = waiter.listening()
+    assert listen is not None
+    row = conn.execute(
+        "SELECT application_name, query FROM pg_stat_activity WHERE pid = %s",
+        (listen.info.backend_pid,),
+    ).fetchone()
+    assert row is not None and row[0] == "lonnymq-listen" and row[1].startswith("LISTEN"), row
+
+
 def test_notifications_read_while_the_listen_session_runs_a_statement_are_not_lost(
     pg_dsn: str, connect: Callable[..., psycopg.Connection[Any]]
 ) -> None:

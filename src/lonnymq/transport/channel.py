@@ -191,6 +191,10 @@ class Channel(TopologyChannel):
         for started in self._consumers - before:  # who consumes, for every process to see
             self.connection.registry.consumed(self, started)
         self.connection._ensure_heartbeat()
+        # the LISTEN session now, not at the first wait: a consumer that is handed its first
+        # message before it ever slept (Celery's rpc:// client at its first get()) would
+        # otherwise open it, and plan its first sleep, while its second message waits
+        self.connection.waiter.listening()
         self.connection.wake()  # in an event loop: look at once
         return tag
 
