@@ -867,7 +867,7 @@ class Bench(WakeupScenarios):
     # -- 4. Celery ----------------------------------------------------------------------------
 
     def celery_run(self, spec: BrokerSpec, pool: str, concurrency: int, n: int) -> Any:
-        from celery_bench_app import LINE_BYTES, TASK_NAME, make_app
+        from celery_bench_app import LINE_BYTES, TASK_NAME, make_app, worker_command
 
         qname = fresh_name("bench_cel")
         out_file = self.tmp / f"{qname}.done"
@@ -883,36 +883,15 @@ class Bench(WakeupScenarios):
             queued = queue_count(spec, qname)
             if queued != n:
                 raise RuntimeError(f"{queued}/{n} tasks in the queue after publishing")
-            env = {
-                **os.environ,
-                "BENCH_CELERY_BROKER": spec.url,
-                "BENCH_CELERY_OPTIONS": json.dumps(spec.options),
-                "BENCH_CELERY_QUEUE": qname,
-                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-            }
-            cmd = [
-                sys.executable,
-                "-m",
-                "celery",
-                "-A",
-                "celery_bench_app",
-                "worker",
-                "--pool",
-                pool,
-                "-c",
-                str(concurrency),
-                "-Q",
+            cmd, env = worker_command(
+                spec.url,
+                spec.options,
                 qname,
-                "-n",
-                f"{qname}@%h",
-                "-l",
-                "WARNING",
-                "--without-gossip",
-                "--without-mingle",
-                "--without-heartbeat",
+                pool,
+                concurrency,
                 "--prefetch-multiplier",
                 str(self.args.prefetch_multiplier),
-            ]
+            )
             launched = time.time()
             with log_file.open("wb") as log:
                 proc = subprocess.Popen(

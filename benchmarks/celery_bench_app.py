@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -32,6 +34,28 @@ def noop(out_path: str, payload: str = "") -> None:
         os.write(fd, b"%020.6f\n" % time.time())
     finally:
         os.close(fd)
+
+
+def worker_command(
+    broker: str, options: dict[str, Any], queue: str, pool: str, concurrency: int, *extra: str
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment of a worker of this app, as the celery scenario of
+    ``bench_brokers.py`` starts it (gossip, mingle and heartbeat off), ``extra`` added."""
+    env = {
+        **os.environ,
+        "BENCH_CELERY_BROKER": broker,
+        "BENCH_CELERY_OPTIONS": json.dumps(options),
+        "BENCH_CELERY_QUEUE": queue,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    argv = [
+        sys.executable, "-m", "celery", "-A", "celery_bench_app", "worker", "--pool", pool,
+        "-c", str(concurrency), "-Q", queue, "-n", f"{queue}@%h", "-l", "WARNING",
+        "--without-gossip", "--without-mingle", "--without-heartbeat", *extra,
+    ]  # fmt: skip
+    return argv, env
 
 
 def make_app(broker: str, options: dict[str, Any], queue: str) -> Celery:

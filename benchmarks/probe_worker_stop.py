@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from celery_bench_app import LINE_BYTES, TASK_NAME, make_app  # noqa: E402
+from celery_bench_app import LINE_BYTES, TASK_NAME, make_app, worker_command  # noqa: E402
 
 URLS = {
     "lonnymq": "lonnymq://postgres@127.0.0.1:5432/test",
@@ -43,18 +43,7 @@ def one_stop(url: str, tasks: int, after: float, tmp: Path) -> tuple[float, int]
         for _ in range(tasks):
             app.send_task(TASK_NAME, args=[str(done_file), "x" * 100], producer=producer)
     app.close()
-    env = {
-        **os.environ,
-        "BENCH_CELERY_BROKER": url,
-        "BENCH_CELERY_OPTIONS": "{}",
-        "BENCH_CELERY_QUEUE": queue,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "celery_bench_app", "worker", "--pool", "prefork",
-        "-c", "2", "-Q", queue, "-n", f"{queue}@%h", "-l", "WARNING", "--without-gossip",
-        "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
+    cmd, env = worker_command(url, {}, queue, "prefork", 2)
     with (tmp / f"{queue}.log").open("wb") as log:
         proc = subprocess.Popen(
             cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
