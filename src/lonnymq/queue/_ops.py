@@ -44,6 +44,9 @@ class Op(Generic[T]):
     query: bytes
     params: Sequence[Any]
     parse: Callable[[Rows], T]
+    #: Rows come back in binary (a dequeue's: its bytea, uuid and timestamps are not
+    #: written out as text and parsed back, 0.1 ms of a 100-message call's client time).
+    binary: bool = False
 
 
 def no_result(rows: Rows) -> None:
@@ -81,7 +84,7 @@ def async_commit(op: Op[T]) -> Op[T]:
     a database crash is harmless: a dequeue or an ack lost that way means a redelivery, which
     at-least-once delivery allows. Never for a create, except of a message its publisher
     marked transient (kombu's delivery_mode 1), whose loss in a crash is its contract."""
-    return Op(op.schema, _ASYNC_COMMIT + op.query + b") AS q", op.params, op.parse)
+    return Op(op.schema, _ASYNC_COMMIT + op.query + b") AS q", op.params, op.parse, op.binary)
 
 
 _ASYNC_COMMIT_IF_WOKE = (
@@ -109,7 +112,8 @@ def async_commit_if_woke(op: Op[T]) -> Op[tuple[T, bool]]:
     def parse(rows: Rows) -> tuple[T, bool]:
         return op.parse([row[:-1] for row in rows]), any(row[-1] for row in rows)
 
-    return Op(op.schema, _ASYNC_COMMIT_IF_WOKE + op.query + b") AS q", op.params, parse)
+    query = _ASYNC_COMMIT_IF_WOKE + op.query + b") AS q"
+    return Op(op.schema, query, op.params, parse, op.binary)
 
 
 def flush_op(schema: str) -> Op[None]:
@@ -178,7 +182,7 @@ def _connection_lost(exc: Exception) -> bool:
 def run(conn: psycopg.Connection[Any], op: Op[T]) -> T:
     try:
         with conn.cursor() as cur:
-            cur.execute(op.query, op.params)
+            cur.execute(op.query, op.params, binary=op.binary)
             rows = cur.fetchall()
     except psycopg.Error as exc:
         raise translate(exc, op.schema) from exc
@@ -188,7 +192,7 @@ def run(conn: psycopg.Connection[Any], op: Op[T]) -> T:
 async def arun(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
     try:
         async with conn.cursor() as cur:
-            await cur.execute(op.query, op.params)
+            await cur.execute(op.query, op.params, binary=op.binary)
             rows = await cur.fetchall()
     except psycopg.Error as exc:
         raise translate(exc, op.schema) from exc

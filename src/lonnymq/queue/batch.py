@@ -153,7 +153,7 @@ class Batch:
                 with conn.pipeline():
                     for op, _ in calls:
                         cur = conn.cursor()
-                        cur.execute(op.query, op.params)
+                        cur.execute(op.query, op.params, binary=op.binary)
                         cursors.append(cur)
                 results = []
                 for (op, run), cur in zip(calls, cursors, strict=True):
@@ -176,7 +176,7 @@ class Batch:
                 async with conn.pipeline():
                     for op, _ in calls:
                         cur = conn.cursor()
-                        await cur.execute(op.query, op.params)
+                        await cur.execute(op.query, op.params, binary=op.binary)
                         cursors.append(cur)
                 results = []
                 for (op, run), cur in zip(calls, cursors, strict=True):

@@ -21,13 +21,15 @@ _COLUMNS: LiteralString = (
     "message_attempts, message_lock_token, message_created_at, message_content, "
     "message_state, retry_ms, event "
 )
+#: (In binary both ways: the ack arrays are not written out as text, nor the rows' bytea,
+#: uuid and timestamps parsed back from it.)
 _DEQUEUE: LiteralString = (
-    _COLUMNS + "FROM {schema}.message_dequeue_v3(%s::text[], %s::integer, %s::bigint, "
-    "%s::bigint[], %s::uuid[], %s::boolean)"
+    _COLUMNS + "FROM {schema}.message_dequeue_v3(%b::text[], %b::integer, %b::bigint, "
+    "%b::bigint[], %b::uuid[], %b::boolean)"
 )
 _DEQUEUE_HINTED: LiteralString = (
-    _COLUMNS + "FROM {schema}.message_dequeue_hinted_v1(%s::text[], %s::bigint[], %s::integer, "
-    "%s::bigint, %s::bigint[], %s::uuid[], %s::boolean)"
+    _COLUMNS + "FROM {schema}.message_dequeue_hinted_v1(%b::text[], %b::bigint[], %b::integer, "
+    "%b::bigint, %b::bigint[], %b::uuid[], %b::boolean)"
 )
 
 DEFAULT_LOCK_MS = 3_600_000
@@ -187,9 +189,9 @@ def dequeue_op(
     if hints:
         hinted = [_checks.message_id(h, "hint") for h in hints]
         params_h = (names, hinted, count, lock, ids or None, tokens or None, bool(listen))
-        return Op(schema, render(_DEQUEUE_HINTED, schema), params_h, parse)
+        return Op(schema, render(_DEQUEUE_HINTED, schema), params_h, parse, binary=True)
     params = (names, count, lock, ids or None, tokens or None, bool(listen))
-    return Op(schema, render(_DEQUEUE, schema), params, parse)
+    return Op(schema, render(_DEQUEUE, schema), params, parse, binary=True)
 
 
 _SLEEP: LiteralString = (

@@ -146,6 +146,8 @@ class TransportLike(Protocol):
     @property
     def in_event_loop(self) -> bool: ...
 
+    def loop_acked(self) -> None: ...
+
     @property
     def registry(self) -> Registry:
         """The connection's consumers, registered for every process to see."""

@@ -147,6 +147,8 @@ class LoopConsumer:
         self.poll_timer = loop.call_repeatedly(transport.options.polling_interval, self.on_poll)
         self.closed = False
         self.idle = True  # the last batch delivered nothing: run the next one on this thread
+        self.look_soon = False  # a look is asked of the loop's next round (see acked)
+        loop.on_tick.add(self.on_tick)
         self.waiter.wake()  # first look as soon as the loop runs
 
     def want(self, queues: Collection[str] | None = None, *, every: bool = False) -> None:
@@ -163,6 +165,7 @@ class LoopConsumer:
         if self.closed:
             return
         self.closed = True
+        self.loop.on_tick.discard(self.on_tick)
         for fd in (self.waiter.wake_fd, self.listen_fd):
             if fd is not None:
                 with contextlib.suppress(Exception):  # the loop may be closed already
@@ -187,6 +190,22 @@ class LoopConsumer:
     def on_wake(self) -> None:
         self.waiter.woken()
         self.look()
+
+    def acked(self) -> None:
+        """An ack of the loop's own thread (a Celery callback in the loop): it goes with the
+        next fetch, or alone (see :meth:`_look`). One look before the loop next polls
+        (:meth:`on_tick`) serves every ack made meanwhile, without the wake-up pipe's two
+        system calls and round of the loop each; none while a fetch is in flight: its
+        return makes that look."""
+        self.want()
+        if not self.fetcher.busy:
+            self.look_soon = True
+
+    def on_tick(self) -> None:
+        """Run by the loop before each poll."""
+        if self.look_soon:
+            self.look_soon = False
+            self.look()
 
     def _consumed(self) -> set[str]:
         return {q for channel in list(self.transport.channels) for q in channel._active_queues}

@@ -100,7 +100,7 @@ class QoS(virtual.QoS):
                 self._quick_ack(delivery_tag)
                 if ack.sent is None:
                     if transport.in_event_loop:
-                        transport.wake()  # the loop's own: goes with its next look, now
+                        transport.loop_acked()  # the loop's own: goes with a look soon
                     return  # the drainer's own: goes with its next round trip
                 transport.wake()
                 if transport.acks.wait(ack):

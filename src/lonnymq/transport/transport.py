@@ -366,6 +366,15 @@ class Transport(virtual.Transport):
         if self._waiter is not None:
             self._waiter.wake()
 
+    def loop_acked(self) -> None:
+        """The event loop's own thread acked: the ack goes with a look of the loop (see
+        :meth:`LoopConsumer.acked`), without the wake-up pipe."""
+        looper = self._looper
+        if looper is not None:
+            looper.acked()
+        else:
+            self.wake()
+
     def _wait(self, seconds: float, queues: set[str]) -> set[str] | bool:
         if not self.options.use_listen and not self._said_polling:
             self._said_polling = True
