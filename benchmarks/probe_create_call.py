@@ -1,0 +1,147 @@
+"""Where a create's time goes (issue 26: "create 1 producer at least 0.85 of its floor"), not a
+benchmark row. One connection, autocommit, durable commits (the server's
+``synchronous_commit``), 300-byte payloads, medians of ``--calls`` per variant and run:
+
+- ``floor``: ``bench_hot_path.py``'s publish floor, a bare single-row ``INSERT`` into
+  ``floor_t``;
+- ``message_row``: the same row inserted into lonnymq's ``message`` table by hand;
+- ``function``: ``message_create_v1`` called with psycopg, nothing around it;
+- ``api``: ``queue.channel(c).message.create(conn, payload)``.
+
+Then the server's time in ``message_create_v1`` and ``wake_v2`` (``track_functions``), and
+the function's statements timed one by one, warm, in a loop of one transaction (``DO``).
+Not the product: a scratch schema, dropped at the end.
+
+    python benchmarks/probe_create_call.py [--dsn DSN] [--repeat 3] [--calls 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+import lonnymq
+from lonnymq.queue import create
+from lonnymq.queue._ops import render
+
+PAYLOAD = os.urandom(300)
+
+#: The statements of message_create_v1 on its usual path (no name, no limit, no hand-off).
+STEPS = {
+    "produce key": "PERFORM pg_advisory_xact_lock_shared({s}.queue_key_v1('produce', 'q'));",
+    "limits read": (
+        "SELECT CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END, q.max_priority "
+        "INTO v_size, v_prio FROM (SELECT) AS one LEFT JOIN {s}.queue q ON q.name = 'q' "
+        "LEFT JOIN {s}.channel c ON c.queue = 'q' AND c.name = 'c';"
+    ),
+    "insert": (
+        "INSERT INTO {s}.message (queue, channel, priority, txid, dequeue_at, expires_at, name, "
+        "content) VALUES ('q', 'c', 0, pg_current_xact_id(), clock_timestamp(), NULL, NULL, "
+        "'\\x00') ON CONFLICT (queue, channel, name) WHERE name IS NOT NULL AND attempts = 0 "
+        "DO NOTHING RETURNING id INTO v_id;"
+    ),
+    "wake_v2": "PERFORM {s}.wake_v2('q', v_id);",
+}
+_LOOP = """DO $$
+DECLARE v_size int; v_prio int; v_id bigint := 1; t0 timestamptz;
+BEGIN
+    FOR i IN 1..50 LOOP {step} END LOOP;
+    t0 := clock_timestamp();
+    FOR i IN 1..2000 LOOP {step} END LOOP;
+    RAISE NOTICE '%', extract(epoch FROM clock_timestamp() - t0) * 1e6 / 2000;
+END $$"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dsn",
+        default=os.environ.get("LONNYMQ_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
+    )
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=1500)
+    args = parser.parse_args()
+    schema = f"probe_create_{uuid.uuid4().hex[:8]}"
+    s = sql.Identifier(schema)
+    with psycopg.connect(args.dsn, autocommit=True) as admin:
+        lonnymq.install(admin, schema)
+        try:
+            admin.execute(
+                sql.SQL(
+                    "CREATE TABLE {}.floor_t (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+                    "ch text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), "
+                    "locked_until timestamptz, payload bytea NOT NULL)"
+                ).format(s)
+            )
+            admin.execute(
+                sql.SQL(
+                    "CREATE INDEX ON {}.floor_t (ch, at, id) WHERE locked_until IS NULL"
+                ).format(s)
+            )
+            with psycopg.connect(args.dsn, autocommit=True) as conn:
+                conn.execute("SET track_functions = 'all'")
+                calls(conn, schema, args.repeat, args.calls)
+            time.sleep(1)  # (the closed session's function statistics reach the view)
+            for name, per_call, own in admin.execute(
+                "SELECT funcname, total_time / calls, self_time / calls FROM "
+                "pg_stat_user_functions WHERE schemaname = %s AND funcname IN "
+                "('message_create_v1', 'wake_v2')",
+                (schema,),
+            ):
+                print(f"server: {name} {per_call * 1000:.1f} us a call ({own * 1000:.1f} its own)")
+            steps(admin, s)
+        finally:
+            admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(s))
+
+
+def calls(conn: psycopg.Connection[Any], schema: str, repeat: int, count: int) -> None:
+    s = sql.Identifier(schema)
+    floor = sql.SQL("INSERT INTO {}.floor_t (ch, payload) VALUES (%s, %s)").format(s)
+    row = sql.SQL(
+        "INSERT INTO {}.message (queue, channel, priority, txid, dequeue_at, content) "
+        "VALUES (%s, %s, 0, pg_current_xact_id(), clock_timestamp(), %s)"
+    ).format(s)
+    function = render(create._CREATE, schema)
+    channel = lonnymq.Broker(schema).queue("q").channel("c")
+    variants: dict[str, Callable[[], object]] = {
+        "floor": lambda: conn.execute(floor, ("c", PAYLOAD)),
+        "message_row": lambda: conn.execute(row, ("q", "c", PAYLOAD)),
+        "function": lambda: conn.execute(
+            function, ("q", "c", None, PAYLOAD, 0, 0, None)
+        ).fetchall(),
+        "api": lambda: channel.message.create(conn, PAYLOAD),
+    }
+    for _ in range(repeat):
+        out = []
+        for name, call in variants.items():
+            took = []
+            for _ in range(count):
+                start = time.perf_counter()
+                call()
+                took.append(time.perf_counter() - start)
+            out.append(f"{name} {statistics.median(took) * 1e6:.0f} us")
+        print(" | ".join(out), flush=True)
+
+
+def steps(admin: psycopg.Connection[Any], s: sql.Identifier) -> None:
+    notices: list[str] = []
+    admin.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+    out = []
+    for name, step in STEPS.items():
+        statement = sql.SQL(step).format(s=s).as_string(admin)
+        with admin.transaction(force_rollback=True):
+            admin.execute(_LOOP.replace("{step}", statement).encode())
+        out.append(f"{name} {float(notices[-1]):.1f} us")
+    print("statements, warm: " + " | ".join(out))
+
+
+if __name__ == "__main__":
+    main()
