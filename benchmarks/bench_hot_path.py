@@ -140,6 +140,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from floors import install_floors
 from psycopg import sql
 
 import lonnymq
@@ -778,22 +779,7 @@ class Bench:
 
     def install(self) -> None:
         lonnymq.install(self.admin, schema=self.schema)
-        t = sql.Identifier(self.schema, "floor_t")
-        self.admin.execute(
-            sql.SQL(
-                "CREATE TABLE {} (id bigint generated always as identity primary key, "
-                "ch text not null, at timestamptz not null default clock_timestamp(), "
-                "locked_until timestamptz, payload bytea not null)"
-            ).format(t)
-        )
-        self.admin.execute(
-            sql.SQL("CREATE INDEX ON {} (ch, at, id) WHERE locked_until IS NULL").format(t)
-        )
-        self.admin.execute(
-            sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING ALL)").format(
-                sql.Identifier(self.schema, "floor_m"), t
-            )
-        )
+        install_floors(self.admin, self.schema)
 
     def install_pgqueuer(self) -> None:
         """Install pgqueuer in its own schema, or record why it cannot be measured."""

@@ -32,6 +32,7 @@ import uuid
 from typing import Any
 
 import psycopg
+from floors import dsn_argument, install_floors
 from psycopg import sql
 
 import lonnymq
@@ -66,10 +67,7 @@ _COLUMNS = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--dsn",
-        default=os.environ.get("LONNYMQ_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
-    )
+    dsn_argument(parser)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--limit", type=int, default=100)
     args = parser.parse_args()
@@ -97,16 +95,7 @@ def setup(admin: Conn, schema: str, variant: str) -> None:
     admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(s))
     if variant == "floor":
         admin.execute(sql.SQL("CREATE SCHEMA {}").format(s))
-        admin.execute(
-            sql.SQL(
-                "CREATE TABLE {}.floor_m (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
-                "ch text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), "
-                "locked_until timestamptz, payload bytea NOT NULL)"
-            ).format(s)
-        )
-        admin.execute(
-            sql.SQL("CREATE INDEX ON {}.floor_m (ch, at, id) WHERE locked_until IS NULL").format(s)
-        )
+        install_floors(admin, schema)
         admin.execute(
             sql.SQL(
                 "INSERT INTO {}.floor_m (ch, payload) SELECT 'c', %s FROM generate_series(1, %s)"

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from floors import dsn_argument, install_floors
 from psycopg import sql
 
 import lonnymq
@@ -62,10 +63,7 @@ END $$"""
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--dsn",
-        default=os.environ.get("LONNYMQ_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
-    )
+    dsn_argument(parser)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--calls", type=int, default=1500)
     args = parser.parse_args()
@@ -74,18 +72,7 @@ def main() -> None:
     with psycopg.connect(args.dsn, autocommit=True) as admin:
         lonnymq.install(admin, schema)
         try:
-            admin.execute(
-                sql.SQL(
-                    "CREATE TABLE {}.floor_t (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
-                    "ch text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp(), "
-                    "locked_until timestamptz, payload bytea NOT NULL)"
-                ).format(s)
-            )
-            admin.execute(
-                sql.SQL(
-                    "CREATE INDEX ON {}.floor_t (ch, at, id) WHERE locked_until IS NULL"
-                ).format(s)
-            )
+            install_floors(admin, schema)
             with psycopg.connect(args.dsn, autocommit=True) as conn:
                 conn.execute("SET track_functions = 'all'")
                 calls(conn, schema, args.repeat, args.calls)

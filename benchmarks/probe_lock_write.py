@@ -25,13 +25,13 @@ Not the product: scratch schemas, dropped at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 import uuid
 from typing import Any
 
 import psycopg
+from floors import dsn_argument
 from psycopg import sql
 
 import lonnymq
@@ -44,10 +44,7 @@ Conn = psycopg.Connection[Any]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--dsn",
-        default=os.environ.get("LONNYMQ_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
-    )
+    dsn_argument(parser)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     prefix = f"probe_lock_{uuid.uuid4().hex[:8]}"

@@ -11,13 +11,13 @@ and its index added, dropped at the end.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 import uuid
 from typing import Any
 
 import psycopg
+from floors import dsn_argument
 from psycopg import sql
 
 import lonnymq
@@ -27,10 +27,7 @@ CHANNELS = 100
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--dsn",
-        default=os.environ.get("LONNYMQ_BENCH_DSN", "postgresql://postgres@127.0.0.1:5432/test"),
-    )
+    dsn_argument(parser)
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     schema = f"probe_rounds_{uuid.uuid4().hex[:8]}"

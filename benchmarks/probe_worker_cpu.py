@@ -15,10 +15,8 @@ task, and tasks a second over that span. The machine's other processes are not c
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
 import uuid
@@ -29,8 +27,8 @@ from kombu.connection import Connection
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from celery_bench_app import LINE_BYTES, TASK_NAME, make_app, worker_command  # noqa: E402
-from probe_worker_stop import URLS  # noqa: E402
+from celery_bench_app import LINE_BYTES  # noqa: E402
+from probe_worker_stop import backlog_worker, broker_url, worker_probe  # noqa: E402
 
 FROM = 2_000  # tasks done before the span measured
 PARTS = ("main", "pool", "server")
@@ -68,18 +66,11 @@ def one_run(
 ) -> tuple[float, dict[str, float]]:
     """Tasks a second over the span, and CPU microseconds a task by part."""
     queue = f"cpu_{uuid.uuid4().hex[:8]}"
-    done_file = tmp / f"{queue}.done"
-    app = make_app(url, {}, queue)
-    with app.producer_pool.acquire(block=True) as producer:
-        for _ in range(tasks):
-            app.send_task(TASK_NAME, args=[str(done_file), "x" * 200], producer=producer)
-    app.close()
     concurrency = 4 if pool == "threads" else 2
-    cmd, env = worker_command(url, {}, queue, pool, concurrency, "--prefetch-multiplier", "4")
-    with (tmp / f"{queue}.log").open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    extra = ("--prefetch-multiplier", "4")
+    proc, done_file, log = backlog_worker(
+        url, tasks, tmp, queue, pool, concurrency, *extra, pad=200
+    )
 
     def done() -> int:
         return done_file.stat().st_size // LINE_BYTES if done_file.exists() else 0
@@ -106,18 +97,11 @@ def one_run(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--broker", choices=sorted(URLS), default="lonnymq")
-    parser.add_argument("--url", help="broker URL (default: the machine's, by --broker)")
+    parser = worker_probe(__doc__, 3, "probe_worker_cpu")
     parser.add_argument("--pool", choices=("prefork", "threads"), default="prefork")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--until", type=int, default=14_000, help="tasks done at the span's end")
-    parser.add_argument("--tmp", default="/tmp/lonnymq_probe_worker_cpu")
     args = parser.parse_args()
-    tmp = Path(args.tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    url = args.url or URLS[args.broker]
+    tmp, url = args.tmp, broker_url(args)
     for i in range(args.runs):
         rate, cpu = one_run(url, args.pool, args.tasks, args.until, tmp)
         parts = ", ".join(f"{part} {us:.0f}" for part, us in cpu.items())

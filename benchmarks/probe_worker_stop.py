@@ -34,20 +34,38 @@ URLS = {
 }
 
 
-def one_stop(url: str, tasks: int, after: float, tmp: Path) -> tuple[float, int]:
-    """Seconds from the SIGTERM to the worker's exit, and the tasks done by then."""
-    queue = f"stop_{uuid.uuid4().hex[:8]}"
+def backlog_worker(
+    url: str,
+    tasks: int,
+    tmp: Path,
+    queue: str,
+    pool: str,
+    concurrency: int,
+    *extra: str,
+    pad: int = 100,
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``tasks`` tasks (each with ``pad`` bytes of padding) published to ``queue``, then a
+    worker started on it as the celery scenario starts one (``extra`` added): the worker, the
+    file of its tasks done (one line each) and its log."""
     done_file = tmp / f"{queue}.done"
     app = make_app(url, {}, queue)
     with app.producer_pool.acquire(block=True) as producer:
         for _ in range(tasks):
-            app.send_task(TASK_NAME, args=[str(done_file), "x" * 100], producer=producer)
+            app.send_task(TASK_NAME, args=[str(done_file), "x" * pad], producer=producer)
     app.close()
-    cmd, env = worker_command(url, {}, queue, "prefork", 2)
-    with (tmp / f"{queue}.log").open("wb") as log:
+    cmd, env = worker_command(url, {}, queue, pool, concurrency, *extra)
+    log = tmp / f"{queue}.log"
+    with log.open("wb") as out:
         proc = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
+    return proc, done_file, log
+
+
+def one_stop(url: str, tasks: int, after: float, tmp: Path) -> tuple[float, int]:
+    """Seconds from the SIGTERM to the worker's exit, and the tasks done by then."""
+    queue = f"stop_{uuid.uuid4().hex[:8]}"
+    proc, done_file, log = backlog_worker(url, tasks, tmp, queue, "prefork", 2)
     try:
         deadline = time.monotonic() + 120
         while not done_file.exists() or done_file.stat().st_size < 500 * LINE_BYTES:
@@ -65,18 +83,29 @@ def one_stop(url: str, tasks: int, after: float, tmp: Path) -> tuple[float, int]
             proc.wait()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def worker_probe(doc: str, runs: int, name: str) -> argparse.ArgumentParser:
+    """The options of a probe that starts workers (this one's and ``probe_worker_cpu.py``'s):
+    the broker, the runs, the tasks published for each, the directory of their files."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--broker", choices=sorted(URLS), default="lonnymq")
     parser.add_argument("--url", help="broker URL (default: the machine's, by --broker)")
-    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--runs", type=int, default=runs)
     parser.add_argument("--tasks", type=int, default=20_000)
+    parser.add_argument("--tmp", type=Path, default=Path(f"/tmp/lonnymq_{name}"))
+    return parser
+
+
+def broker_url(args: argparse.Namespace) -> str:
+    """The URL of the broker a worker probe measures (its files' directory made)."""
+    args.tmp.mkdir(parents=True, exist_ok=True)
+    return str(args.url or URLS[args.broker])
+
+
+def main() -> None:
+    parser = worker_probe(__doc__, 10, "probe_worker_stop")
     parser.add_argument("--after", type=float, default=6.0, help="seconds after 500 done")
-    parser.add_argument("--tmp", default="/tmp/lonnymq_probe_worker_stop")
     args = parser.parse_args()
-    tmp = Path(args.tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    url = args.url or URLS[args.broker]
+    tmp, url = args.tmp, broker_url(args)
     took: list[float] = []
     for i in range(args.runs):
         seconds, done = one_stop(url, args.tasks, args.after, tmp)
