@@ -196,7 +196,10 @@ class LoopConsumer:
         next fetch, or alone (see :meth:`_look`). One look before the loop next polls
         (:meth:`on_tick`) serves every ack made meanwhile, without the wake-up pipe's two
         system calls and round of the loop each; none while a fetch is in flight: its
-        return makes that look."""
+        return makes that look. (Celery's pool acks from its result readers and the loop's
+        callbacks, before the ticks; an ack made by a tick callback that runs after this
+        one would wait for the next round of the loop, as any ``call_soon`` of the loop's
+        own thread does.)"""
         self.want()
         if not self.fetcher.busy:
             self.look_soon = True
