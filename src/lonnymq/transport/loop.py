@@ -4,7 +4,8 @@ A Celery worker whose transport is asynchronous runs its consumer in an event lo
 prefork pool, also the asynchronous pool, which feeds the pool processes from the same loop)
 instead of calling ``drain_events``. Here the consumer *looks* for messages when woken: by a
 NOTIFY on the LISTEN connection (whose socket the loop watches), by the wake-up pipe (an ack
-freed room or wants sending, an ack from a pool thread, a fetch came back), by a timer (a
+from a pool thread, a fetch came back), by an ack of the loop's own thread (a look before the
+loop polls again, one for all such acks, see :meth:`LoopConsumer.acked`), by a timer (a
 delayed message or a prefetch refill is due; every second while LISTEN is down), or by the
 fallback poll every ``polling_interval``.
 
