@@ -20,7 +20,9 @@ from kombu.connection import Connection
 from kombu.entity import Queue
 
 import lonnymq
+from lonnymq.queue.operate import settings_op
 from lonnymq.transport import Transport
+from lonnymq.transport.loop import LoopConsumer
 from tests.test_wakeup import asleep_on, swept
 
 Conn = psycopg.Connection[Any]
@@ -140,8 +142,9 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
     make_connection: Callable[..., Connection], hub: Hub, conn: Conn, schema: str
 ) -> None:
     """An idle consumer woken by a NOTIFY dequeues on the loop's thread (no hand-over to the
-    fetch thread and back: a wake-up's latency); while its fetches bring messages they run
-    on the fetch thread, so the loop goes on meanwhile; idle again, it is back on its own."""
+    fetch thread and back: a wake-up's latency); while its fetches bring messages the loop
+    drives them without waiting for their rows (sent, their socket watched: see
+    lonnymq.transport.inloop), so it goes on meanwhile; idle again, it is back on its own."""
     connection = make_connection()
     queue = Queue("wake_inline")
     queue(connection.default_channel).declare()
@@ -156,6 +159,14 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
         return result
 
     transport.ack_and_dequeue = recorded
+    plain_dequeued = transport.dequeued
+
+    def driven(acks: Any, result: Any, started: float) -> None:  # (a fetch the loop drove)
+        name = f"{threading.current_thread().name} (driven)"
+        fetched.append((name, len(result.messages), result.settled))
+        plain_dequeued(acks, result, started)
+
+    transport.dequeued = driven
     received: list[int] = []
 
     def on_message(body: Any, message: Any) -> None:
@@ -180,12 +191,15 @@ def test_a_wake_up_fetches_on_the_loop_thread_and_a_busy_consumer_beside_it(
             run_until(hub, lambda: len(received) == 21, timeout=10)
             assert sorted(received) == list(range(21))
             run_until(hub, lambda: stats(conn, schema, "wake_inline") == (0, 0))
-            # a fetch after one that brought messages and may have left more runs beside
-            # the loop (after one that took all that waited, the next is a wake-up's again)
+            # a fetch after one that brought messages and may have left more is driven by
+            # the loop, or runs on the fetch thread when it delivers what publishes handed
+            # (after one that took all that waited, the next is a wake-up's again)
             after_busy = [
                 cur for prev, cur in itertools.pairwise(fetched) if prev[1] and not prev[2]
             ]
-            assert {name for name, _, _ in after_busy} == {"lonnymq-fetch"}, (turn, fetched)
+            names = {name for name, _, _ in after_busy}
+            assert names <= {f"{loop_thread} (driven)", "lonnymq-fetch"}, (turn, fetched)
+            assert f"{loop_thread} (driven)" in names, (turn, fetched)
             assert any(n for _, n, _ in after_busy), (turn, fetched)
             settle(hub, conn, schema, "wake_inline")  # idle again
             received.clear()
@@ -418,6 +432,56 @@ def test_acks_made_on_the_loops_thread_go_with_a_look_without_the_wake_up_pipe(
     assert looks  # the acks went with a look
     assert 0 not in pipe  # and none of them wrote the pipe (a wake-up after that look is
     # its own: a fetch it handed to the fetch thread came back)
+
+
+@pytest.mark.parametrize("thread", ["loop", "other"])
+def test_a_use_of_the_connection_while_the_loop_drives_a_fetch_completes_it_first(
+    make_connection: Callable[..., Connection],
+    hub: Hub,
+    conn: Conn,
+    schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    thread: str,
+) -> None:
+    """A busy consumer's fetch is sent and its rows read when the loop sees them come
+    (lonnymq.transport.inloop); a statement on the command connection meanwhile, from the
+    loop's thread (a reject in a callback) or another (the heartbeat), completes the fetch
+    first, and the loop delivers what it brought soon after: every message once."""
+    connection = make_connection()
+    queue = published(make_connection, "driven", 60)
+    in_loop(hub, connection)
+    transport = connection.transport
+    interrupted: list[int] = []
+    plain = LoopConsumer._drive
+
+    def drive_then_use(self: LoopConsumer, job: Any) -> bool:
+        started = plain(self, job)
+        if started and self.pending is not None and self.pending.outcome is None:
+            use = lambda: transport.pg.run(settings_op(schema, "driven"))  # noqa: E731
+            if thread == "loop":
+                use()
+            else:
+                other = threading.Thread(target=use)
+                other.start()
+                other.join(10)
+            interrupted.append(int(self.pending.outcome is not None))
+        return started
+
+    monkeypatch.setattr(LoopConsumer, "_drive", drive_then_use)
+    received: list[int] = []
+
+    def on_message(body: Any, message: Any) -> None:
+        received.append(body)
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message]) as consumer:
+        consumer.qos(prefetch_count=4)
+        took = run_until(
+            hub, lambda: len(received) == 60 and stats(conn, schema, "driven") == (0, 0)
+        )
+    assert sorted(received) == list(range(60))  # each once
+    assert interrupted and all(interrupted)  # each completed by the statement that came
+    assert took < 5  # (its outcome not left waiting for the fallback poll)
 
 
 def test_messages_fetched_but_not_delivered_are_released_at_close(

@@ -123,10 +123,48 @@ class PgClient(_Forkable):
         self.session_settings = session_settings or {}
         self._conn = None
         self._lock = threading.RLock()
+        self._finish: Callable[[], None] | None = None  # see hold
         _LIVE.add(self)
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        self._finish = None
+
+    @property
+    def mutex(self) -> threading.RLock:
+        """Held by whoever uses the connection (re-entrant)."""
+        return self._lock
+
+    def hold(self, finish: Callable[[], None]) -> bool:
+        """Mark the open connection busy with a statement in flight that the caller drives
+        without holding :attr:`mutex` all along (the event loop's fetch, :mod:`.inloop`;
+        the caller drives it under :attr:`mutex`), until :meth:`unhold`. Whoever wants the
+        connection meanwhile, this thread or another, first calls ``finish``, which
+        completes the statement (blocking) and unholds. False when the connection is not
+        open, or in use."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            conn = self._conn
+            if self._finish is not None or conn is None or conn.closed or conn.broken:
+                return False
+            self._finish = finish
+            return True
+        finally:
+            self._lock.release()
+
+    def unhold(self, *, lost: bool = False) -> None:
+        """The held statement is done (``lost``: with the connection, which is forgotten)."""
+        with self._lock:
+            self._finish = None
+            if lost:
+                self.discard()
 
     def connection(self) -> psycopg.Connection[Any]:
         with self._lock:
+            finish = self._finish
+            if finish is not None:  # (held by this thread: see hold)
+                finish()
             conn = self._conn
             if conn is None or conn.closed or conn.broken:
                 conn = _open(self.conninfo, self.connect_timeout, "command")
@@ -165,7 +203,7 @@ class PgClient(_Forkable):
             return False
         try:
             conn = self._conn
-            return conn is not None and not conn.closed and not conn.broken
+            return self._finish is None and conn is not None and not conn.closed and not conn.broken
         finally:
             self._lock.release()
 
@@ -232,6 +270,9 @@ class PgClient(_Forkable):
     def discard(self) -> None:
         """Forget the connection (after an error); the next call reconnects."""
         with self._lock:
+            finish = self._finish
+            if finish is not None:  # (held by this thread: see hold)
+                finish()
             conn, self._conn = self._conn, None
         if conn is not None:
             with contextlib.suppress(Exception):  # the connection is already unusable

@@ -202,6 +202,12 @@ class Handoffs:
             self._woken.difference_update(queues)
             return found
 
+    def waiting(self, queues: Collection[str]) -> bool:
+        """Whether messages handed for ``queues``, or orphans, wait (a fetch of ``queues``
+        delivers or releases them first: ``rounds.deliverable``)."""
+        with self._lock:
+            return bool(self._orphans) or any(self._handed.get(q) for q in queues)
+
     def take(self, queues: Collection[str]) -> list[Message]:
         """Take the messages handed for ``queues``, by id (locked for this consumer: deliver
         them, or release them)."""

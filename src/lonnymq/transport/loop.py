@@ -38,6 +38,7 @@ from typing import Any
 from ..exceptions import LonnyMQError
 from ..queue.dequeue import DequeueResult
 from . import rounds
+from .inloop import LoopFetch
 from .interfaces import ChannelLike, Job, TransportLike
 from .sleep import Change, Owed, Settled, Wanted, sooner
 
@@ -149,6 +150,7 @@ class LoopConsumer:
         self.closed = False
         self.idle = True  # the last batch delivered nothing: run the next one on this thread
         self.look_soon = False  # a look is asked of the loop's next round (see acked)
+        self.pending: LoopFetch | None = None  # a fetch this thread drives (see .inloop)
         loop.on_tick.add(self.on_tick)
         self.waiter.wake()  # first look as soon as the loop runs
 
@@ -175,10 +177,10 @@ class LoopConsumer:
             if timer is not None:
                 with contextlib.suppress(Exception):
                     timer.cancel()
-        outcome = self.fetcher.stop(timeout=30.0)
         transport = self.transport
-        if outcome is not None:
-            rounds.release(transport, outcome[0])
+        for outcome in (self._take_pending(finish=True), self.fetcher.stop(timeout=30.0)):
+            if outcome is not None:
+                rounds.release(transport, outcome[0])
         if self.owner:
             self.owner = False
             try:
@@ -202,8 +204,33 @@ class LoopConsumer:
         one would wait for the next round of the loop, as any ``call_soon`` of the loop's
         own thread does.)"""
         self.want()
-        if not self.fetcher.busy:
+        if not self.busy:
             self.look_soon = True
+
+    def look_later(self) -> None:
+        """Look soon (a fetch driven by the loop was completed by a use of the connection
+        that came first, on any thread: the loop may be asleep)."""
+        self.look_soon = True
+        self.waiter.wake()
+
+    @property
+    def busy(self) -> bool:
+        """A batch is in flight (on the fetch thread or driven here), or back and not
+        taken."""
+        return self.pending is not None or self.fetcher.busy
+
+    def _take_pending(self, *, finish: bool = False) -> Outcome | None:
+        """The outcome of the fetch driven here once it is back (``finish``: completed
+        now, blocking)."""
+        pending = self.pending
+        if pending is None:
+            return None
+        if finish:
+            pending.finish()
+        if pending.outcome is None:
+            return None
+        self.pending = None
+        return pending.outcome
 
     def on_tick(self) -> None:
         """Run by the loop before each poll."""
@@ -258,7 +285,7 @@ class LoopConsumer:
         retry_ms: int | None = None
         inline: tuple[list[Job], Change | None] | None = None
         if outcome is None:
-            outcome = self.fetcher.take()
+            outcome = self._take_pending() or self.fetcher.take()
         if outcome is not None:
             results, error, settled = outcome
             _, retry_ms, again = rounds.deliver(transport, results)
@@ -270,7 +297,7 @@ class LoopConsumer:
                 retry_ms = sooner(retry_ms, settled.retry_ms)
             if error is not None:
                 raise error
-        if not self.fetcher.busy:
+        if not self.busy:
             change = transport.sleep.plan(transport.channels)
             if change is not None and change.take:
                 self.want(change.take)  # look again there once the keys are taken
@@ -284,6 +311,8 @@ class LoopConsumer:
                 retry_ms = sooner(retry_ms, wait)
             if jobs and self.idle and transport.pg.free:
                 inline = (jobs, change)  # run last, once nothing else of this look can raise
+            elif len(jobs) == 1 and change is None and self._drive(jobs[0]):
+                pass  # (in flight, driven by the loop: see .inloop)
             elif jobs or change is not None:
                 self.fetcher.submit(jobs, change)
             elif self.owner and transport.acks.pending() and (retry_ms is None or retry_ms > 5):
@@ -295,9 +324,17 @@ class LoopConsumer:
         if due is not None:
             self.retry_in(due - now)
         self.sync_listen()
-        if inline is None or self.closed:
+        if self.closed:
             return None
+        if inline is None:
+            return self._take_pending()  # (one whose sending failed: at once)
         return self.fetcher.execute(*inline)  # (its errors come back in the outcome)
+
+    def _drive(self, job: Job) -> bool:
+        """Send ``job``'s dequeue and let the loop watch for its rows (see .inloop); False
+        when that cannot be now (the job goes to the fetch thread)."""
+        self.pending = LoopFetch.start(self.transport, self.loop, job, self.look, self.look_later)
+        return self.pending is not None
 
     def retry_in(self, seconds: float) -> None:
         """Look again in ``seconds`` (or sooner, if a look is already due sooner)."""

@@ -157,6 +157,32 @@ class Transport(virtual.Transport):
             handed = rounds.deliverable(self, handoffs, queues, limit, idle=idle)
             if handed is not None:
                 return handed
+        acks, op = self._dequeue_op(queues, limit, idle)
+        started = time.perf_counter()
+        result = self._carrying(acks, op)
+        events.dequeue_time(time.perf_counter() - started)
+        self._log_acks(result.acked)
+        return result
+
+    def prepare_dequeue(
+        self, queues: list[str], limit: int, *, idle: bool = False
+    ) -> tuple[list[Ack], Op[DequeueResult]] | None:
+        """The statement of :meth:`ack_and_dequeue` and the acks it takes from the buffer,
+        for a caller that runs it itself (:mod:`.inloop`), then calls :meth:`dequeued`, or
+        puts the acks back when it fails; None when messages handed by publishes wait for
+        these queues (:meth:`ack_and_dequeue` delivers them without a round trip)."""
+        handoffs = None if self._waiter is None else self._waiter.handoffs
+        if handoffs is not None:
+            if handoffs.waiting(queues):
+                return None
+            handoffs.woken_by_others(queues)  # (as a fetch that found nothing handed)
+        acks, op = self._dequeue_op(queues, limit, idle)
+        return acks, self.consumer_op(op)
+
+    def _dequeue_op(
+        self, queues: list[str], limit: int, idle: bool
+    ) -> tuple[list[Ack], Op[DequeueResult]]:
+        waiter = self._waiter
         hints = waiter.hints(queues) if waiter is not None else []
         acks = self.acks.take()
         try:
@@ -172,11 +198,14 @@ class Transport(virtual.Transport):
         except BaseException:
             self.acks.put_back(acks)
             raise
-        started = time.perf_counter()
-        result = self._carrying(acks, op)
+        return acks, op
+
+    def dequeued(self, acks: list[Ack], result: DequeueResult, started: float) -> None:
+        """A dequeue carrying ``acks`` came back with ``result``: their threads told, its
+        time counted, the acks that did not apply logged."""
+        self.acks.done(acks)
         events.dequeue_time(time.perf_counter() - started)
         self._log_acks(result.acked)
-        return result
 
     def release(self, held: Iterable[Held]) -> None:
         """Unlock held messages (the same rows, back in their place): the unacked ones when
