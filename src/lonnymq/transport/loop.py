@@ -9,10 +9,13 @@ loop polls again, one for all such acks, see :meth:`LoopConsumer.acked`), by a t
 delayed message or a prefetch refill is due; every second while LISTEN is down), or by the
 fallback poll every ``polling_interval``.
 
-A look plans a fetch for every consuming kombu channel (queues, free prefetch window) and
-hands it to a fetch thread, which runs the dequeues (each carrying the acks made since the
-last) while the loop goes on feeding the pool; when they are back the thread wakes the loop,
-which delivers the messages on its own thread, as Celery requires (those of different
+A look plans a fetch for every consuming kombu channel (queues, free prefetch window). A
+busy consumer's fetch of one channel is driven by the loop (:mod:`.inloop`): its dequeue,
+carrying the acks made since the last, is sent without blocking and its rows are read when
+the loop sees them come, while the loop goes on feeding the pool. Other batches (several
+channels, a change of the sleep keys, messages handed by publishes, a connection to open)
+go to a fetch thread, which runs them meanwhile and wakes the loop when they are back.
+Either way the loop's thread delivers the messages, as Celery requires (those of different
 channels in the order they were created), and looks again. A consumer whose last fetch
 brought nothing (idle: a NOTIFY, a timer or the poll woke it) fetches on the loop's thread
 instead, at once, when its connection is open and no other thread holds it: a wake-up does
@@ -266,7 +269,8 @@ class LoopConsumer:
         nothing to fetch at once (it delivered nothing, or all there was: its channels are
         asleep again) runs the next one on the loop's thread, at once, when its connection
         is open and not in use by another thread (a wake-up: two thread switches less, 0.1-0.3
-        ms each here); a busy one, or one that must connect or wait first, hands it to the
+        ms each here); a busy one sends its fetch and lets the loop watch for its rows
+        (:mod:`.inloop`), or, when that cannot be (see :meth:`_drive`), hands it to the
         fetch thread, so that the loop goes on feeding the pool meanwhile. What a batch run
         here brought is delivered by the next look of this call, with nothing in between
         that could raise and leave it undelivered and locked."""
