@@ -17,10 +17,15 @@ once by the thread that acks, as before.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+
+from ..queue.results import Outcome
+
+logger = logging.getLogger("lonnymq.transport")
 
 Held = tuple[int, uuid.UUID]
 
@@ -153,3 +158,15 @@ class AckBuffer:
             # taken: the drainer is sending it right now; wait for the answer
             deadline = time.monotonic() + 60.0
         return not ack.failed
+
+
+def log_ignored(outcomes: dict[int, Outcome]) -> None:
+    """Log the acks a dequeue carried that did not apply."""
+    for message_id, outcome in outcomes.items():
+        if outcome is not Outcome.OK:
+            logger.warning(
+                "lonnymq: ack of message %d ignored: %s (its lock expired and it was "
+                "delivered again, or it is gone)",
+                message_id,
+                outcome.value,
+            )

@@ -5,13 +5,12 @@
 - :class:`Waiter`: the LISTEN connection an idle consumer blocks on, apart from the command
   connection so acks never wait behind it.
 
-Both are fork-safe: a child process never touches (nor closes) a connection its parent opened;
-it opens its own on first use.
+Both are fork-safe (:mod:`.sessions`): a child process never touches (nor closes) a
+connection its parent opened; it opens its own on first use.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -19,92 +18,30 @@ import re
 import select
 import threading
 import time
-import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 
 from .. import migrator
-from ..dsn import mask_password
 from ..exceptions import ConnectionLost, LonnyMQError, SchemaNotInstalled
 from ..queue._checks import MAX_ID
 from ..queue._ops import Op, async_commit, async_commit_if_woke, flush_op, run, translate
 from ..queue.dequeue import Message
-from . import pooler, sweep
+from . import pooler
 from .handoff import Handoffs
 from .notifications import Arrivals
+from .sessions import LIVE, Forkable, open_connection
 
 logger = logging.getLogger("lonnymq.transport")
 T = TypeVar("T")
 
-# Connections inherited across fork: kept referenced forever in the child so that their
-# finalizers never send a Terminate message down the parent's socket.
-_INHERITED: list[Any] = []
-_LIVE: weakref.WeakSet[_Forkable] = weakref.WeakSet()
 _INSTALLED: set[tuple[str, str]] = set()
 _INSTALL_LOCK = threading.Lock()
 
 
-class _Forkable:
-    _conn: psycopg.Connection[Any] | None
-    _lock: threading.RLock
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def _after_fork(self) -> None:
-        if self._conn is not None:
-            _INHERITED.append(self._conn)
-            self._conn = None
-        self._lock = threading.RLock()
-
-
-def _after_fork_in_child() -> None:
-    for item in list(_LIVE):
-        item._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _close_at_exit() -> None:
-    """Close this process's own connections at exit (a producer's kombu connection is often
-    never released), rather than leaving them to finalizers that warn; a sweep a publish
-    started is waited for first (see :mod:`.sweep`)."""
-    sweep.join_running(timeout=5.0)
-    for item in list(_LIVE):
-        with contextlib.suppress(Exception):
-            item.close()
-
-
-atexit.register(_close_at_exit)
-
-
-def _open(conninfo: str, connect_timeout: float | None, role: str) -> psycopg.Connection[Any]:
-    kwargs: dict[str, Any] = {"autocommit": True}
-    if "application_name" not in conninfo_to_dict(conninfo):  # the URL's own wins
-        kwargs["application_name"] = f"lonnymq-{role}"
-    if connect_timeout:
-        kwargs["connect_timeout"] = max(1, int(connect_timeout))
-    try:
-        conn = psycopg.connect(conninfo, **kwargs)
-        try:
-            pooler.adapt(conn)  # no prepared statements through a pooler
-        except BaseException:
-            conn.close()
-            raise
-        return conn
-    except psycopg.Error as exc:
-        raise ConnectionLost(
-            f"cannot connect to Postgres: {mask_password(str(exc)).strip()}"
-        ) from None
-
-
-class PgClient(_Forkable):
+class PgClient(Forkable):
     """The command connection of one transport in one process."""
 
     def __init__(
@@ -124,7 +61,7 @@ class PgClient(_Forkable):
         self._conn = None
         self._lock = threading.RLock()
         self._finish: Callable[[], None] | None = None  # see hold
-        _LIVE.add(self)
+        LIVE.add(self)
 
     def _after_fork(self) -> None:
         super()._after_fork()
@@ -167,7 +104,7 @@ class PgClient(_Forkable):
                 finish()
             conn = self._conn
             if conn is None or conn.closed or conn.broken:
-                conn = _open(self.conninfo, self.connect_timeout, "command")
+                conn = open_connection(self.conninfo, self.connect_timeout, "command")
                 try:
                     for name, value in self.session_settings.items():
                         conn.execute("SELECT set_config(%s, %s, false)", (name, value))
@@ -288,7 +225,7 @@ MAX_HINTS = 64
 _HINT_ID = re.compile(r"[0-9]{1,19}")
 
 
-class Waiter(_Forkable):
+class Waiter(Forkable):
     """Where an idle consumer blocks: on LISTEN (a connection of its own, so acks never wait
     behind it) and on a self-pipe that :meth:`wake` writes to, so that another thread (an ack
     freeing a full prefetch window) can end the wait at once."""
@@ -320,7 +257,7 @@ class Waiter(_Forkable):
         self._failed_at = 0.0
         self._sessions = 0  # LISTEN connections opened so far
         self._pipe = self._new_pipe()
-        _LIVE.add(self)
+        LIVE.add(self)
 
     @staticmethod
     def _new_pipe() -> tuple[int, int]:
@@ -460,10 +397,12 @@ class Waiter(_Forkable):
             return None  # do not hammer a server that just refused us
         conn: psycopg.Connection[Any] | None = None
         try:
-            conn = _open(self.conninfo, self.connect_timeout, "listen")
+            conn = open_connection(self.conninfo, self.connect_timeout, "listen")
             # through a pooler, LISTEN must work or the consumer refuses to start
             pooler.check_listen(
-                conn, self.conninfo, lambda: _open(self.conninfo, self.connect_timeout, "check")
+                conn,
+                self.conninfo,
+                lambda: open_connection(self.conninfo, self.connect_timeout, "check"),
             )
             if self.handoffs is not None:
                 self.handoffs.adopt(conn)

@@ -16,13 +16,13 @@ from kombu.transport import virtual
 
 from ..exceptions import ConnectionLost, LonnyMQError
 from ..migrator import hint_channel, wake_channel
-from ..queue import Broker, Outcome
+from ..queue import Broker
 from ..queue._ops import Op, async_commit, run
 from ..queue.dequeue import DequeueResult, dequeue_op
 from ..queue.finalize import defer_op, delete_many_op
 from ..queue.operate import configure_op
 from . import events, rounds, url
-from .acks import Ack, AckBuffer, Held
+from .acks import Ack, AckBuffer, Held, log_ignored
 from .channel import Channel
 from .connection import PgClient, Waiter
 from .headers import QueueArguments
@@ -161,7 +161,7 @@ class Transport(virtual.Transport):
         started = time.perf_counter()
         result = self._carrying(acks, op)
         events.dequeue_time(time.perf_counter() - started)
-        self._log_acks(result.acked)
+        log_ignored(result.acked)
         return result
 
     def prepare_dequeue(
@@ -205,7 +205,7 @@ class Transport(virtual.Transport):
         time counted, the acks that did not apply logged."""
         self.acks.done(acks)
         events.dequeue_time(time.perf_counter() - started)
-        self._log_acks(result.acked)
+        log_ignored(result.acked)
 
     def release(self, held: Iterable[Held]) -> None:
         """Unlock held messages (the same rows, back in their place): the unacked ones when
@@ -220,7 +220,7 @@ class Transport(virtual.Transport):
         the threads that made them)."""
         if acks:
             op = delete_many_op(self.options.schema, [ack.ref for ack in acks])
-            self._log_acks(self._carrying(acks, op))
+            log_ignored(self._carrying(acks, op))
 
     def _carrying(self, acks: list[Ack], op: Op[T]) -> T:
         """Run ``op``, which carries ``acks``: tell their threads once it is done, or put
@@ -233,29 +233,10 @@ class Transport(virtual.Transport):
         self.acks.done(acks)
         return result
 
-    @staticmethod
-    def _log_acks(outcomes: dict[int, Outcome]) -> None:
-        for message_id, outcome in outcomes.items():
-            if outcome is not Outcome.OK:
-                logger.warning(
-                    "lonnymq: ack of message %d ignored: %s (its lock expired and it was "
-                    "delivered again, or it is gone)",
-                    message_id,
-                    outcome.value,
-                )
-
     def as_uri(self, uri: str, include_password: bool = False, mask: str = "**") -> str:
         """The URL to show (``kombu.Connection.as_uri()``, logs, Celery's banner): the
         password masked unless asked for, from the URL or from the Connection's fields."""
-        client = self.client
-        password = getattr(client, "password", None)
-        if uri and "://" in uri:
-            if callable(password):
-                password = None
-            return url.as_uri(uri, include_password, mask, password=password)
-        if client is None:
-            raise NotImplementedError  # kombu then shows the hostname
-        return url.from_client(client, include_password, mask)
+        return url.for_client(self.client, uri, include_password, mask)
 
     def driver_version(self) -> str:
         return str(psycopg.__version__)

@@ -284,6 +284,20 @@ def check_alternates(urls: list[Any]) -> None:
             )
 
 
+def for_client(client: Any, uri: str, include_password: bool, mask: str) -> str:
+    """The URL a transport shows for its kombu Connection ``client`` (``as_uri``): ``uri``
+    with its password masked unless asked, or, without a URL, from the Connection's fields
+    (NotImplementedError without a Connection: kombu then shows the hostname)."""
+    password = getattr(client, "password", None)
+    if uri and "://" in uri:
+        if callable(password):
+            password = None
+        return as_uri(uri, include_password, mask, password=password)
+    if client is None:
+        raise NotImplementedError
+    return from_client(client, include_password, mask)
+
+
 def from_client(client: Any, include_password: bool, mask: str) -> str:
     """The URL to show for a kombu Connection whose fields hold the host (no URL), with the
     libpq parameters of its transport option ``connection_params`` in the query."""
