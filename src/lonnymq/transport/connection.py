@@ -72,23 +72,14 @@ class PgClient(Forkable):
         """Held by whoever uses the connection (re-entrant)."""
         return self._lock
 
-    def hold(self, finish: Callable[[], None]) -> bool:
-        """Mark the open connection busy with a statement in flight that the caller drives
+    def hold(self, finish: Callable[[], None]) -> None:
+        """Mark the connection busy with a statement in flight that the caller drives
         without holding :attr:`mutex` all along (the event loop's fetch, :mod:`.inloop`;
         the caller drives it under :attr:`mutex`), until :meth:`unhold`. Whoever wants the
         connection meanwhile, this thread or another, first calls ``finish``, which
-        completes the statement (blocking) and unholds. False when the connection is not
-        open, or in use."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            conn = self._conn
-            if self._finish is not None or conn is None or conn.closed or conn.broken:
-                return False
-            self._finish = finish
-            return True
-        finally:
-            self._lock.release()
+        completes the statement (blocking) and unholds. The caller holds :attr:`mutex` and
+        found the connection :attr:`free`."""
+        self._finish = finish
 
     def unhold(self, *, lost: bool = False) -> None:
         """The held statement is done (``lost``: with the connection, which is forgotten)."""

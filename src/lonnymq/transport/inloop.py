@@ -44,8 +44,8 @@ Outcome = tuple[list[tuple[ChannelLike, DequeueResult]], BaseException | None, N
 
 class LoopFetch:
     """One dequeue in flight for one kombu channel (see the module docstring). ``done`` is
-    called on the loop's thread when its rows came; ``later`` when it was completed by
-    :meth:`finish` (the thread is busy with something else: look soon after)."""
+    called on the loop's thread when its rows came; ``later`` (any thread: it wakes the
+    loop) when it was completed by :meth:`finish`, for the loop to look soon after."""
 
     def __init__(
         self,
@@ -102,7 +102,7 @@ class LoopFetch:
             try:
                 fetch._gen = cursor._execute_gen(fetch._op.query, fetch._op.params, binary=True)
             except BaseException as exc:  # (the outcome's error, raised by the next look)
-                fetch._end(error=exc)
+                fetch._end(exc)
                 return fetch
             fetch._advance(None)
         return fetch
@@ -122,7 +122,7 @@ class LoopFetch:
             return
         except BaseException as exc:
             self._unwatch()
-            self._end(error=exc)
+            self._end(exc)
             return
         if not self._watched:
             self.loop.add_reader(self._fd, self._on_readable)
@@ -143,12 +143,13 @@ class LoopFetch:
                 self.loop.remove_reader(self._fd)
 
     def _rows(self) -> None:
+        """The statement ended: its rows read into the dequeue's result."""
+        assert self._op is not None
         try:
-            rows = self._cursor.fetchall()
+            got: DequeueResult | BaseException = self._op.parse(self._cursor.fetchall())
         except BaseException as exc:
-            self._end(error=exc)
-            return
-        self._end(rows=rows)
+            got = exc
+        self._end(got)
 
     def finish(self) -> None:
         """Complete the dequeue now, blocking: the connection is wanted for something
@@ -161,34 +162,29 @@ class LoopFetch:
             try:
                 self._cursor.connection.wait(self._gen)
             except BaseException as exc:
-                self._end(error=exc)
+                self._end(exc)
             else:
                 self._rows()
         self.later()
 
-    def _end(self, *, rows: list[Any] | None = None, error: BaseException | None = None) -> None:
-        """Set the outcome, once: the acks told or put back, the connection given back
-        (forgotten when lost). A schema that went away is installed again and the dequeue
-        run once more, blocking, as any call of the transport does (``PgClient.run``)."""
+    def _end(self, got: DequeueResult | BaseException) -> None:
+        """Set the outcome, once, from the result or the error: the acks told or put back,
+        the connection given back (forgotten when lost). A schema that went away is
+        installed again and the dequeue run once more, blocking, as any call of the
+        transport does (``PgClient.run``)."""
         transport, pg, op = self.transport, self.transport.pg, self._op
         assert op is not None
-        result: DequeueResult | None = None
-        if error is None and rows is not None:
+        if isinstance(got, psycopg.Error):
+            got = translate(got, op.schema)
+        pg.unhold(lost=isinstance(got, ConnectionLost))
+        if isinstance(got, SchemaNotInstalled):
             try:
-                result = op.parse(rows)
+                got = pg.run(op)
             except BaseException as exc:
-                error = exc
-        if isinstance(error, psycopg.Error):
-            error = translate(error, op.schema)
-        pg.unhold(lost=isinstance(error, ConnectionLost))
-        if isinstance(error, SchemaNotInstalled):
-            try:
-                result, error = pg.run(op), None
-            except BaseException as exc:
-                error = exc
-        if error is not None or result is None:
+                got = exc
+        if isinstance(got, BaseException):
             transport.acks.put_back(self._acks)
-            self.outcome = ([], error or RuntimeError("no rows"), None)
+            self.outcome = ([], got, None)
             return
-        transport.dequeued(self._acks, result, self._started)
-        self.outcome = ([(self.channel, result)], None, None)
+        transport.dequeued(self._acks, got, self._started)
+        self.outcome = ([(self.channel, got)], None, None)

@@ -210,12 +210,6 @@ class LoopConsumer:
         if not self.busy:
             self.look_soon = True
 
-    def look_later(self) -> None:
-        """Look soon (a fetch driven by the loop was completed by a use of the connection
-        that came first, on any thread: the loop may be asleep)."""
-        self.look_soon = True
-        self.waiter.wake()
-
     @property
     def busy(self) -> bool:
         """A batch is in flight (on the fetch thread or driven here), or back and not
@@ -337,7 +331,9 @@ class LoopConsumer:
     def _drive(self, job: Job) -> bool:
         """Send ``job``'s dequeue and let the loop watch for its rows (see .inloop); False
         when that cannot be now (the job goes to the fetch thread)."""
-        self.pending = LoopFetch.start(self.transport, self.loop, job, self.look, self.look_later)
+        # (one completed by a use of the connection that came first, on any thread, wakes
+        # the loop for its outcome: the loop may be asleep)
+        self.pending = LoopFetch.start(self.transport, self.loop, job, self.look, self.waiter.wake)
         return self.pending is not None
 
     def retry_in(self, seconds: float) -> None:
