@@ -90,7 +90,7 @@ class LoopFetch:
             if not pg.free:
                 return None
             conn = pg.connection()
-            cursor = conn.cursor(binary=True)
+            cursor = conn.cursor()
             if not callable(getattr(cursor, "_execute_gen", None)):
                 return None
             prepared = transport.prepare_dequeue(queues, limit, idle=channel.idle)
@@ -100,7 +100,8 @@ class LoopFetch:
             fetch._cursor, fetch._fd = cursor, conn.pgconn.socket
             pg.hold(fetch.finish)
             try:
-                fetch._gen = cursor._execute_gen(fetch._op.query, fetch._op.params, binary=True)
+                op = fetch._op
+                fetch._gen = cursor._execute_gen(op.query, op.params, binary=op.binary)
             except BaseException as exc:  # (the outcome's error, raised by the next look)
                 fetch._end(exc)
                 return fetch
