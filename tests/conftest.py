@@ -24,6 +24,7 @@ from psycopg.conninfo import conninfo_to_dict
 import lonnymq
 from lonnymq.queue import QueueStatus
 from lonnymq.testing import NoServerBinaries, database, find_bindir
+from tests import invariants
 
 Conn = psycopg.Connection[Any]
 
@@ -139,11 +140,17 @@ def _no_connection_left_behind(_observer: Conn) -> Iterator[None]:
 
 @pytest.fixture
 def schema(pg_dsn: str) -> Iterator[str]:
-    """A fresh, unique schema name, dropped (with everything in it) after the test."""
+    """A fresh, unique schema name, dropped (with everything in it) after the test; before
+    that, its messages are checked for what the table's CHECK constraints held until schema
+    version 27 (a lock expiry with a lock token, the priority's and the name's ranges)."""
     name = f"lmq_test_{uuid.uuid4().hex[:12]}"
     yield name
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+        try:
+            bad = invariants.bad_messages(conn, name)
+        finally:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+    assert not bad, f"messages that break the table's invariants: {bad}"
 
 
 @pytest.fixture

@@ -1,6 +1,9 @@
 """The invariants of the schema (docs/design.md, "The hot path"), checked in one statement (one
 snapshot) so that they can be asserted while work goes on, not only at rest:
 
+* a message is locked when it has both a lock expiry and a lock token, its priority is from 0
+  to 255 and its name 1 to 255 characters long (what CHECK constraints held until schema
+  version 27: the functions keep it now);
 * a channel row counts exactly its messages marked ``sized`` (current_size) and ``slotted``
   (current_concurrency), a slotted message is locked, and a sized message has a channel row;
 * the gauges derived from the counts (size, in flight) are the channel's messages and its
@@ -41,6 +44,9 @@ CROSS JOIN LATERAL (
     FROM {s}.message m WHERE m.queue = c.queue AND m.channel = c.name
 ) AS s
 WHERE c.current_size <> s.sized OR c.current_concurrency <> s.slotted
+UNION ALL
+SELECT 'message fields', m.queue || '/' || m.channel, m.id::text
+FROM {s}.message m WHERE {fields}
 UNION ALL
 SELECT 'slotted and not locked', m.queue || '/' || m.channel, m.id::text
 FROM {s}.message m WHERE m.slotted AND m.locked_until IS NULL
@@ -93,9 +99,28 @@ WHERE l.turn_at IS NULL AND n.next_at IS NOT NULL
 """
 
 
+#: A message's own fields: what the table's CHECK constraints held until schema version 27.
+FIELDS = """(m.locked_until IS NULL) <> (m.lock_token IS NULL)
+    OR m.priority NOT BETWEEN 0 AND 255 OR length(m.name) NOT BETWEEN 1 AND 255"""
+
+
 def mismatches(conn: Conn, schema: str) -> list[tuple[Any, ...]]:
     """Every violation of the invariants, as (what, queue/channel, detail)."""
-    return conn.execute(sql.SQL(_QUERY).format(s=sql.Identifier(schema))).fetchall()
+    query = sql.SQL(_QUERY.replace("{fields}", FIELDS)).format(s=sql.Identifier(schema))
+    return conn.execute(query).fetchall()
+
+
+def bad_messages(conn: Conn, schema: str) -> list[tuple[Any, ...]]:
+    """Messages whose own fields break the invariants (the first violation above), if the
+    schema has a message table: checked at the end of every test (tests/conftest.py)."""
+    exists = "SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = %s AND tablename = 'message'"
+    if conn.execute(exists, (schema,)).fetchone() is None:
+        return []
+    query = sql.SQL(
+        "SELECT m.id, m.locked_until, m.lock_token, m.priority, m.name "
+        "FROM {s}.message m WHERE " + FIELDS
+    ).format(s=sql.Identifier(schema))
+    return conn.execute(query).fetchall()
 
 
 def assert_consistent(conn: Conn, schema: str) -> None:

@@ -227,3 +227,47 @@ def test_delay_arithmetic_across_minutes(queue: lonnymq.Queue, conn: Conn) -> No
         assert abs(float(row[0]) - delay) < 50
     result = queue.dequeue(conn)
     assert result.retry_ms is not None and 59_000 < result.retry_ms <= 59_999
+
+
+@pytest.mark.parametrize(
+    ("priority", "name", "said"),
+    [(256, None, "priority"), (-1, None, "priority"), (0, "", "name"), (0, "n" * 256, "name")],
+)
+def test_the_functions_refuse_what_the_client_would(
+    broker: lonnymq.Broker, conn: Conn, priority: int, name: str | None, said: str
+) -> None:
+    """A direct SQL call with a priority outside 0-255 or a name of 0 or over 255 characters
+    (what the client refuses before calling) is refused by the function with SQLSTATE 23514,
+    the error the message table's CHECK constraints raised until schema version 27, naming
+    the field; nothing is written. Through the create, a batch, a publish and an update."""
+    s = sql.Identifier(broker.schema)
+    calls = [
+        (
+            "SELECT * FROM {}.message_create_v1('q', 'c', %s, 'x', %s, 0, NULL)",
+            (name, priority),
+        ),
+        (
+            "SELECT * FROM {}.message_create_many_v1(ARRAY['q', 'q'], ARRAY['c', 'c'], "
+            "ARRAY[NULL, %s], ARRAY['x', 'y']::bytea[], ARRAY[0, %s], ARRAY[0, 0]::bigint[], "
+            "ARRAY[NULL, NULL]::bigint[])",
+            (name, priority),
+        ),
+        (
+            "SELECT * FROM {}.message_publish_v2('', 'q', 'c', %s, 'x', %s, 0, NULL, false)",
+            (name, priority),
+        ),
+    ]
+    for query, params in calls:
+        with pytest.raises(psycopg.errors.CheckViolation, match=said):
+            conn.execute(sql.SQL(query).format(s), params)
+    assert [_count(conn, broker.schema, t) for t in ("channel", "message")] == [0, 0]
+    if name is None:
+        created = broker.queue("q").channel("c").message.create(conn, b"x", priority=3)
+        assert isinstance(created, lonnymq.Created)
+        with pytest.raises(psycopg.errors.CheckViolation, match=said):
+            conn.execute(
+                sql.SQL("SELECT * FROM {}.message_update_v1(%s, NULL, NULL, %s, NULL)").format(s),
+                (created.id, priority),
+            )
+        row = conn.execute(sql.SQL("SELECT priority FROM {}.message").format(s)).fetchall()
+        assert row == [(3,)]

@@ -101,7 +101,9 @@ CREATE TABLE {schema}.message (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     queue text COLLATE "C" NOT NULL,
     channel text COLLATE "C" NOT NULL,
-    priority smallint NOT NULL DEFAULT 0 CHECK (priority BETWEEN 0 AND 255),
+    -- (0-255, name 1-255 characters: checked by the functions that write them, not by CHECK
+    -- constraints; see the note after the table)
+    priority smallint NOT NULL DEFAULT 0,
     attempts integer NOT NULL DEFAULT 0,
     -- how it became ready in the transaction txid: 0 created, 1 deferred or requeued,
     -- 2 made due now by an operator
@@ -115,14 +117,22 @@ CREATE TABLE {schema}.message (
     lock_token uuid,
     expires_at timestamptz,
     created_at timestamptz NOT NULL DEFAULT now(),
-    name text CHECK (length(name) BETWEEN 1 AND 255),
+    name text,
     content bytea NOT NULL,
-    state bytea,
-    -- a message is locked when it has both: statements that find a message by id and lock
-    -- token rely on it, and so stay on the primary key, off message_locked_idx (which a held
-    -- snapshot fills with the dead entries of everything consumed)
-    CONSTRAINT message_lock_pair CHECK ((locked_until IS NULL) = (lock_token IS NULL))
+    state bytea
 );
+
+-- No CHECK constraint on message (schema version 27): Postgres reads a table's CHECK
+-- constraints back from the catalog's text and plans them at every statement that inserts or
+-- updates its rows, 11 us of a one-row INSERT's 78 of server CPU with the three this table had
+-- (docs/design.md, "The hot path: traps measured"), and every create and every lock pays it.
+-- What they checked is kept by the functions: the priority (0-255) and the name (1-255
+-- characters) by those that write them (message_create_v1, message_create_many_v1,
+-- message_update_v1, SQLSTATE 23514 as before), and the lock pair, a message is locked
+-- when it has both locked_until and lock_token (statements that find a message by id and lock
+-- token rely on it, and so stay on the primary key, off message_locked_idx, which a held
+-- snapshot fills with the dead entries of everything consumed), by every function that locks
+-- or unlocks one; the test suite checks it in every test's schema at the test's end.
 
 -- Unlocked messages of a channel in the order they are handed out. Read from a lane's
 -- position per priority, never from the start.
@@ -130,9 +140,10 @@ CREATE INDEX message_ready_idx ON {schema}.message (queue, channel, priority DES
     WHERE locked_until IS NULL;
 
 -- What became ready, by transaction: the ingest reads what committed since its snapshot.
--- (Its predicate names lock_token, message_ready_idx's locked_until: the same rows by
--- message_lock_pair, but no statement written for one index can be planned on the other; a
--- generic plan read this whole index, backlog and dead entries, for a lane's next position.)
+-- (Its predicate names lock_token, message_ready_idx's locked_until: the same rows by the
+-- lock pair (the note above), but no statement written for one index can be planned on the
+-- other; a generic plan read this whole index, backlog and dead entries, for a lane's next
+-- position.)
 CREATE INDEX message_txid_idx ON {schema}.message (txid) WHERE lock_token IS NULL;
 
 -- Locked messages of a queue, by lock expiry. Read from the queue's lock position.

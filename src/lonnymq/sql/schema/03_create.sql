@@ -259,8 +259,24 @@ DECLARE
     v_max_size integer;
     v_max_priority integer;
     v_at timestamptz;
+    v_called boolean;
 BEGIN
-    PERFORM pg_advisory_xact_lock_shared({schema}.queue_key_v1('produce', p_queue));
+    -- (schema version 27) what the message table no longer checks itself: a CHECK constraint
+    -- is read back from the catalog's text and planned at every statement that writes the
+    -- table, 11 us of an INSERT's 78 (docs/design.md, "The hot path: traps measured")
+    IF p_priority NOT BETWEEN 0 AND 255 THEN
+        RAISE EXCEPTION USING ERRCODE = 'check_violation',
+            MESSAGE = format('a message''s priority is from 0 to 255, not %s', p_priority);
+    END IF;
+    IF length(p_name) NOT BETWEEN 1 AND 255 THEN
+        RAISE EXCEPTION USING ERRCODE = 'check_violation',
+            MESSAGE = format('a message''s name is 1 to 255 characters long, not %s',
+                             length(p_name));
+    END IF;
+    -- (an assignment, not PERFORM, for a call made for its effect: PERFORM runs a query
+    -- through the executor, an assignment evaluates the expression in place; schema
+    -- version 27)
+    v_called := pg_advisory_xact_lock_shared({schema}.queue_key_v1('produce', p_queue)) IS NULL;
     SELECT CASE WHEN c.has_policy THEN c.own_max_size ELSE q.max_size END, q.max_priority
     INTO v_max_size, v_max_priority
     FROM (SELECT) AS one
@@ -344,6 +360,16 @@ DECLARE
 BEGIN
     IF coalesce(cardinality(p_queues), 0) = 0 THEN
         RETURN;
+    END IF;
+    -- what the message table no longer checks itself (see message_create_v1)
+    SELECT u.prio, u.name INTO r FROM unnest(p_priorities, p_names) AS u(prio, name)
+    WHERE u.prio NOT BETWEEN 0 AND 255 OR length(u.name) NOT BETWEEN 1 AND 255 LIMIT 1;
+    IF FOUND THEN
+        RAISE EXCEPTION USING ERRCODE = 'check_violation',
+            MESSAGE = CASE WHEN r.prio NOT BETWEEN 0 AND 255
+                THEN format('a message''s priority is from 0 to 255, not %s', r.prio)
+                ELSE format('a message''s name is 1 to 255 characters long, not %s',
+                            length(r.name)) END;
     END IF;
     IF EXISTS (SELECT 1 FROM {schema}.queue q
                WHERE q.name = ANY (p_queues) AND q.max_priority IS NOT NULL) THEN

@@ -583,6 +583,11 @@ DECLARE
     v_now timestamptz;
     v_at timestamptz;
 BEGIN
+    -- what the message table no longer checks itself (see message_create_v1)
+    IF p_priority NOT BETWEEN 0 AND 255 THEN
+        RAISE EXCEPTION USING ERRCODE = 'check_violation',
+            MESSAGE = format('a message''s priority is from 0 to 255, not %s', p_priority);
+    END IF;
     -- with the ingest held, as message_retry_v1: a message never ingested still counts once
     PERFORM pg_advisory_xact_lock(hashtextextended({lock_prefix} || 'ingest', 0));
     SELECT * INTO v_d FROM {schema}.discovery d ORDER BY d.id DESC LIMIT 1;
