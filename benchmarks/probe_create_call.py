@@ -10,9 +10,14 @@ benchmark row. One connection, autocommit, durable commits (the server's
 
 Then the server's time in ``message_create_v1`` and ``wake_v2`` (``track_functions``), and
 the function's statements timed one by one, warm, in a loop of one transaction (``DO``).
+Then, when the server runs on this machine (its backend's ``/proc`` readable), the server's
+CPU a call of ``floor``, ``message_row`` and ``function``: the backend's user and system time
+over ``--cpu-calls`` calls of a connection of its own with ``synchronous_commit = off`` (no
+WAL flush to wait for, nor its system time), five interleaved rounds, median and range.
 Not the product: a scratch schema, dropped at the end.
 
     python benchmarks/probe_create_call.py [--dsn DSN] [--repeat 3] [--calls 1500]
+        [--cpu-calls 10000]
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -66,6 +73,7 @@ def main() -> None:
     dsn_argument(parser)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--calls", type=int, default=1500)
+    parser.add_argument("--cpu-calls", type=int, default=10_000)
     args = parser.parse_args()
     schema = f"probe_create_{uuid.uuid4().hex[:8]}"
     s = sql.Identifier(schema)
@@ -85,27 +93,33 @@ def main() -> None:
             ):
                 print(f"server: {name} {per_call * 1000:.1f} us a call ({own * 1000:.1f} its own)")
             steps(admin, s)
+            server_cpu(args.dsn, admin, schema, args.cpu_calls)
         finally:
             admin.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(s))
 
 
-def calls(conn: psycopg.Connection[Any], schema: str, repeat: int, count: int) -> None:
+def statements(schema: str) -> dict[str, tuple[sql.Composed | bytes, tuple[Any, ...]]]:
+    """The statements of the variants floor, message_row and function, with their arguments."""
     s = sql.Identifier(schema)
     floor = sql.SQL("INSERT INTO {}.floor_t (ch, payload) VALUES (%s, %s)").format(s)
     row = sql.SQL(
         "INSERT INTO {}.message (queue, channel, priority, txid, dequeue_at, content) "
         "VALUES (%s, %s, 0, pg_current_xact_id(), clock_timestamp(), %s)"
     ).format(s)
-    function = render(create._CREATE, schema)
+    return {
+        "floor": (floor, ("c", PAYLOAD)),
+        "message_row": (row, ("q", "c", PAYLOAD)),
+        "function": (render(create._CREATE, schema), ("q", "c", None, PAYLOAD, 0, 0, None)),
+    }
+
+
+def calls(conn: psycopg.Connection[Any], schema: str, repeat: int, count: int) -> None:
     channel = lonnymq.Broker(schema).queue("q").channel("c")
     variants: dict[str, Callable[[], object]] = {
-        "floor": lambda: conn.execute(floor, ("c", PAYLOAD)),
-        "message_row": lambda: conn.execute(row, ("q", "c", PAYLOAD)),
-        "function": lambda: conn.execute(
-            function, ("q", "c", None, PAYLOAD, 0, 0, None)
-        ).fetchall(),
-        "api": lambda: channel.message.create(conn, PAYLOAD),
+        name: partial(conn.execute, statement, params)
+        for name, (statement, params) in statements(schema).items()
     }
+    variants["api"] = lambda: channel.message.create(conn, PAYLOAD)
     for _ in range(repeat):
         out = []
         for name, call in variants.items():
@@ -128,6 +142,39 @@ def steps(admin: psycopg.Connection[Any], s: sql.Identifier) -> None:
             admin.execute(_LOOP.replace("{step}", statement).encode())
         out.append(f"{name} {float(notices[-1]):.1f} us")
     print("statements, warm: " + " | ".join(out))
+
+
+def server_cpu(dsn: str, admin: psycopg.Connection[Any], schema: str, count: int) -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    s = sql.Identifier(schema)
+    took: dict[str, list[float]] = {name: [] for name in statements(schema)}
+    for _ in range(5):
+        for name, (statement, params) in statements(schema).items():
+            admin.execute(sql.SQL("TRUNCATE {}.message, {}.floor_t").format(s, s))
+            options = "-c synchronous_commit=off"
+            with psycopg.connect(dsn, autocommit=True, options=options) as conn:
+                stat = Path(f"/proc/{conn.info.backend_pid}/stat")
+                if not stat.exists():
+                    print("server CPU: not measured (the server runs elsewhere)")
+                    return
+
+                def cpu(stat: Path = stat) -> float:
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                    return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+                for _ in range(300):  # (warm: plans, caches)
+                    conn.execute(statement, params, prepare=True)
+                start = cpu()
+                for _ in range(count):
+                    conn.execute(statement, params, prepare=True)
+                took[name].append((cpu() - start) / count * 1e6)
+    print(
+        "server CPU a call, median (min-max) of 5: "
+        + " | ".join(
+            f"{name} {statistics.median(v):.0f} us ({min(v):.0f}-{max(v):.0f})"
+            for name, v in took.items()
+        )
+    )
 
 
 if __name__ == "__main__":
