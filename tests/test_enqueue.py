@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -9,6 +10,7 @@ import psycopg
 import pytest
 from kombu.connection import Connection
 from kombu.entity import Queue
+from psycopg.rows import dict_row, namedtuple_row
 
 import lonnymq
 from tests.apps import close_app
@@ -166,3 +168,53 @@ def test_async_publish_of_a_celery_task(
     message.ack()
     simple.close()
     close_app(app)
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [
+        ("dict_row", {"row_factory": dict_row}),
+        ("namedtuple_row", {"row_factory": namedtuple_row}),
+        ("client_cursor", {}),
+    ],
+    ids=["dict_row", "namedtuple_row", "client_cursor"],
+)
+def test_a_connection_of_the_applications_kind(
+    kombu_conn: Connection, pg_dsn: str, schema: str, kind: str, options: dict[str, Any]
+) -> None:
+    """An application's connection whose ``row_factory`` makes dicts or named tuples (psycopg
+    3's ``dict_row``, common in applications), or whose cursors bind parameters on the client
+    (``psycopg.ClientCursor``, as Django's do, and no binary rows), runs every lonnymq call
+    made on it: the install, a create, a batch, a transactional publish, a dequeue and its ack,
+    a status, and an async create. (Rows were read by position: a ``KeyError`` at the
+    install; the dequeue's rows come in binary: "client-side cursors don't support binary
+    results".)"""
+    sync_options = dict(options)
+    async_options = dict(options)
+    if kind == "client_cursor":
+        sync_options["cursor_factory"] = psycopg.ClientCursor
+        async_options["cursor_factory"] = psycopg.AsyncClientCursor
+    broker = lonnymq.Broker(schema)
+    channel = broker.queue("rf").channel("c")
+    with psycopg.connect(pg_dsn, autocommit=True, **sync_options) as app:
+        broker.install(app)
+        assert isinstance(channel.message.create(app, b"one"), lonnymq.Created)
+        batch = broker.queue("rf").batch()
+        made = batch.channel("c").message(b"two")
+        batch.execute(app)
+        assert isinstance(made.get(), lonnymq.Created)
+        Queue("rf")(kombu_conn.default_channel).declare()
+        with lonnymq.transaction(app):
+            kombu_conn.Producer().publish({"three": 3}, routing_key="rf")
+        got = broker.dequeue(app, ["rf"], limit=10)
+        assert sorted(m.content for m in got.messages)[:2] == [b"one", b"two"]
+        assert len(got.messages) == 3
+        broker.dequeue(app, ["rf"], limit=1, ack=got.messages)
+        assert [(s.queue, s.total) for s in broker.status(app)] == [("rf", 0)]
+
+    async def create_async() -> object:
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True, **async_options)
+        async with aconn:
+            return await channel.message.create(aconn, b"four")
+
+    assert isinstance(asyncio.run(create_async()), lonnymq.Created)

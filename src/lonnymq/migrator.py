@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from .exceptions import (
     InvalidName,
@@ -165,14 +166,18 @@ def expected_objects() -> tuple[tuple[str, str], ...]:
 
 def missing_objects(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
     """The objects of the current schema that are not in ``schema`` (dropped by hand)."""
-    rows = conn.execute(
-        "SELECT c.relname FROM pg_catalog.pg_class c "
-        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'i') "
-        "UNION ALL SELECT p.proname FROM pg_catalog.pg_proc p "
-        "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
-        (schema, schema),
-    ).fetchall()
+    rows = (
+        _tuples(conn)
+        .execute(
+            "SELECT c.relname FROM pg_catalog.pg_class c "
+            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'i') "
+            "UNION ALL SELECT p.proname FROM pg_catalog.pg_proc p "
+            "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+            (schema, schema),
+        )
+        .fetchall()
+    )
     present = {row[0] for row in rows}
     return [f"{kind} {name}" for kind, name in expected_objects() if name not in present]
 
@@ -189,6 +194,12 @@ def repair_sql(schema: str = DEFAULT_SCHEMA) -> str:
     return render(text, schema).as_string()
 
 
+def _tuples(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
+    """A cursor of ``conn`` whose rows are tuples, whatever rows the connection makes (an
+    application's ``dict_row`` connection installs the schema too)."""
+    return conn.cursor(row_factory=tuple_row)
+
+
 def _lock_key(schema: str) -> sql.Composed:
     return sql.SQL("SELECT pg_advisory_xact_lock(hashtextextended({}, 0))").format(
         sql.Literal(f"lonnymq:{schema}:migrate")
@@ -201,17 +212,23 @@ def installed_version(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEM
     # A plain query of the catalog (an MVCC snapshot), not to_regclass(): to_regclass reads
     # the catalog cache, which keeps a "does not exist" entry from before another process
     # installed the schema while we waited for the install lock.
-    row = conn.execute(
-        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c "
-        "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relname = 'migration')",
-        (schema,),
-    ).fetchone()
+    row = (
+        _tuples(conn)
+        .execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class c "
+            "JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = 'migration')",
+            (schema,),
+        )
+        .fetchone()
+    )
     if not row or not row[0]:
         return None
-    found = conn.execute(
-        sql.SQL("SELECT max(version) FROM {}.migration").format(sql.Identifier(schema))
-    ).fetchone()
+    found = (
+        _tuples(conn)
+        .execute(sql.SQL("SELECT max(version) FROM {}.migration").format(sql.Identifier(schema)))
+        .fetchone()
+    )
     return int(found[0]) if found and found[0] is not None else None
 
 
@@ -281,11 +298,15 @@ def _install(conn: psycopg.Connection[Any], schema: str) -> list[str]:
 def _refuse_foreign_objects(conn: psycopg.Connection[Any], schema: str) -> None:
     """A schema without a migration record must hold no tables: we do not install over
     objects we did not record (a half-removed install, or somebody else's schema)."""
-    row = conn.execute(
-        "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm')",
-        (schema,),
-    ).fetchone()
+    row = (
+        _tuples(conn)
+        .execute(
+            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm')",
+            (schema,),
+        )
+        .fetchone()
+    )
     if row and row[0]:
         raise SchemaError(
             f"schema {schema!r} holds {row[0]} table(s) but no lonnymq migration record; "

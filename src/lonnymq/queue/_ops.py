@@ -15,6 +15,7 @@ from typing import Any, Generic, TypeVar, overload
 import psycopg
 from psycopg import errors as pgerrors
 from psycopg import sql
+from psycopg.rows import tuple_row
 
 from .._compat import LiteralString
 from ..exceptions import (
@@ -181,7 +182,11 @@ def _connection_lost(exc: Exception) -> bool:
 
 def run(conn: psycopg.Connection[Any], op: Op[T]) -> T:
     try:
-        with conn.cursor() as cur:
+        # (a cursor of psycopg's own kind, rows as tuples, whatever the caller's connection
+        # makes: an application's dict_row connection, or one whose cursor_factory binds
+        # parameters on the client (Django's, psycopg.ClientCursor: no binary rows), runs
+        # lonnymq's calls too)
+        with psycopg.Cursor(conn, row_factory=tuple_row) as cur:
             cur.execute(op.query, op.params, binary=op.binary)
             rows = cur.fetchall()
     except psycopg.Error as exc:
@@ -191,7 +196,7 @@ def run(conn: psycopg.Connection[Any], op: Op[T]) -> T:
 
 async def arun(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
     try:
-        async with conn.cursor() as cur:
+        async with psycopg.AsyncCursor(conn, row_factory=tuple_row) as cur:  # (see run)
             await cur.execute(op.query, op.params, binary=op.binary)
             rows = await cur.fetchall()
     except psycopg.Error as exc:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, overload
 
 import psycopg
+from psycopg.rows import tuple_row
 
 from ..exceptions import ChannelFull, InvalidArgument
 from . import _checks
@@ -152,7 +153,7 @@ class Batch:
                 cursors = []
                 with conn.pipeline():
                     for op, _ in calls:
-                        cur = conn.cursor()
+                        cur = psycopg.Cursor(conn, row_factory=tuple_row)  # (see _ops.run)
                         cur.execute(op.query, op.params, binary=op.binary)
                         cursors.append(cur)
                 results = []
@@ -175,7 +176,7 @@ class Batch:
                 cursors = []
                 async with conn.pipeline():
                     for op, _ in calls:
-                        cur = conn.cursor()
+                        cur = psycopg.AsyncCursor(conn, row_factory=tuple_row)
                         await cur.execute(op.query, op.params, binary=op.binary)
                         cursors.append(cur)
                 results = []
