@@ -117,6 +117,24 @@ def test_the_celery_node_name_is_shown_when_known(
 # auto_delete
 
 
+def test_a_consumer_cancelled_after_its_channel_closed(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """Celery cancels its consumers after their channel closed when it restarts them on a
+    lost connection: the cancel is a no-op there as on kombu's other transports (it raised
+    ``AttributeError`` on the closed channel's ``connection``, logged by Celery as "Error on
+    restarting" with a traceback), and the consumer is unregistered with the next sync."""
+    with make_connection() as kc:
+        channel = kc.channel()
+        consumer = kc.Consumer(Queue("cc"), channel=channel, callbacks=[ignore])
+        consumer.consume()
+        assert len(lonnymq.Broker(schema).consumers(conn, "cc")) == 1
+        channel.close()
+        consumer.cancel()
+        kc.transport.registry.sync()
+        assert lonnymq.Broker(schema).consumers(conn, "cc") == []
+
+
 def test_an_auto_delete_queue_goes_when_its_last_consumer_cancels(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:

@@ -43,6 +43,9 @@ class Channel(TopologyChannel):
 
     def __init__(self, connection: TransportLike, **kwargs: Any) -> None:
         super().__init__(connection, **kwargs)
+        #: (kept: kombu sets ``self.connection`` to None when the channel closes, and Celery
+        #: cancels its consumers after that when it restarts them on a lost connection)
+        self._registry = connection.registry
         self._no_ack_queues: set[str] = set()
         #: its last fetch found nothing (the consumer sleeps on its queues, see .sleep)
         self.idle = False
@@ -208,8 +211,9 @@ class Channel(TopologyChannel):
         result = super().basic_cancel(consumer_tag)
         if queue is not None and queue not in self._active_queues:
             self._no_ack_queues.discard(queue)
-        # (an auto_delete queue goes with its last consumer, of any process)
-        self.connection.registry.cancelled(self, consumer_tag)
+        # (an auto_delete queue goes with its last consumer, of any process; a consumer of
+        # a closed channel, whose connection may be gone, goes with the next sync)
+        self._registry.cancelled(self, consumer_tag, sync=self.connection is not None)
         return result
 
     def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:

@@ -117,15 +117,17 @@ class Registry:
             self._tags.add((channel.channel_id, tag))
             self.sync()
 
-    def cancelled(self, channel: Consuming, tag: str) -> None:
+    def cancelled(self, channel: Consuming, tag: str, *, sync: bool = True) -> None:
         """A consumer stopped: unregister it now (an ``auto_delete`` queue goes with its last
-        consumer). A failure is logged: the heartbeat syncs again, and the sweep removes the
-        consumer of a process that stopped beating."""
+        consumer), or with the next sync when not ``sync``. A failure is logged: the heartbeat
+        syncs again, and the sweep removes the consumer of a process that stopped beating."""
         with self._lock:
             self._own()
             if (channel.channel_id, tag) not in self._tags:
                 return
             self._tags.discard((channel.channel_id, tag))
+            if not sync:
+                return
             try:
                 self.sync()
             except Exception as exc:
