@@ -9,9 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
+from amqp.exceptions import PreconditionFailed
 from kombu.connection import Connection
 from kombu.entity import Queue
+from kombu.exceptions import ChannelError
+from psycopg import sql
 
 import lonnymq
 from lonnymq.transport import url as broker_url
@@ -115,3 +119,27 @@ def test_queue_keywords_are_checked_in_the_callers_unit(
         pytest.raises(lonnymq.InvalidArgument, match="x-message-ttl"),
     ):
         Queue("kw", queue_arguments={"x-message-ttl": -1})(connection.default_channel).declare()
+
+
+def test_an_exchange_declared_again_with_another_type_is_refused_as_on_rabbitmq(
+    make_connection: Callable[..., Connection], pg_dsn: str, schema: str
+) -> None:
+    """RabbitMQ refuses it with 406 PRECONDITION_FAILED (py-amqp's ``PreconditionFailed``, a
+    kombu ``ChannelError``) and keeps the exchange; so does lonnymq, saying which type the
+    exchange has (it raised an untyped ``DatabaseError`` with the PL/pgSQL context line). The
+    same declare again is fine."""
+    with make_connection() as kc:
+        channel = kc.default_channel
+        channel.exchange_declare("orders", type="topic")
+        with pytest.raises(ChannelError, match="exists with type 'topic', not 'direct'") as err:
+            channel.exchange_declare("orders", type="direct")
+        assert isinstance(err.value, PreconditionFailed) and err.value.reply_code == 406
+        assert "CONTEXT" not in str(err.value)
+        kc.default_channel.exchange_declare("orders", type="topic")
+    with psycopg.connect(pg_dsn) as conn:
+        found = conn.execute(
+            sql.SQL("SELECT name, type FROM {}.exchange WHERE name = 'orders'").format(
+                sql.Identifier(schema)
+            )
+        ).fetchall()
+    assert found == [("orders", "topic")]

@@ -144,6 +144,8 @@ def translate(exc: Exception, schema: str) -> LonnyMQError:
         )
     if getattr(exc, "sqlstate", None) == "LM002":
         return ChannelBusy(str(exc).splitlines()[0])
+    if getattr(exc, "sqlstate", None) == "LM001":  # an exchange declared with another type
+        return InvalidArgument(str(exc).splitlines()[0])
     if isinstance(exc, _SCHEMA_ERRORS):
         return SchemaNotInstalled(schema, str(exc).splitlines()[0])
     if isinstance(exc, _ARGUMENT_ERRORS):

@@ -8,11 +8,13 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+from amqp.exceptions import PreconditionFailed
 from amqp.protocol import queue_declare_ok_t
 from kombu.exceptions import ChannelError
 from kombu.transport import virtual
 from kombu.transport.base import to_rabbitmq_queue_arguments
 
+from ..exceptions import InvalidArgument
 from ..queue._ops import Op, run
 from ..queue.policy import queue_get_op, queue_set_op
 from ..queue.queues import delete_queue_op, purge_op, queue_declare_op, queue_exists_op, stats_op
@@ -78,11 +80,16 @@ class TopologyChannel(virtual.Channel):
                     "404",
                 )
             return
-        self._run(
-            exchange_declare_op(
-                self.options.schema, exchange, type, durable=durable, auto_delete=auto_delete
+        try:
+            self._run(
+                exchange_declare_op(
+                    self.options.schema, exchange, type, durable=durable, auto_delete=auto_delete
+                )
             )
-        )
+        except InvalidArgument as exc:  # (it exists with another type: as RabbitMQ refuses it)
+            raise PreconditionFailed(
+                f"PRECONDITION_FAILED - {exc}", (40, 10), "Channel.exchange_declare", 406
+            ) from exc
         self.connection.exchange_types[exchange] = type
 
     def exchange_delete(self, exchange: str, if_unused: bool = False, nowait: bool = False) -> None:
