@@ -106,9 +106,45 @@ def test_queue_keyword_arguments_are_mapped_like_amqp(
         ).declare()
         assert queue_row(conn, schema, "kw2") == (5000, 2500, 3, None)
         # a redeclare without max_length leaves the limit (a policy) alone; other arguments
-        # are what the last declare says, as before
+        # are what the last declare with arguments says, as before
         Queue("kw", expires=7)(connection.default_channel).declare()
         assert queue_row(conn, schema, "kw") == (7000, None, 3, None)
+
+
+def test_a_plain_declare_of_an_existing_queue_changes_none_of_its_arguments(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """Another process's plain declare (``Queue(name)``, a ``SimpleQueue``: no arguments)
+    leaves the queue's expiry, time to live, priority cap, ``auto_delete`` and limit as its
+    declare with arguments set them (it cleared all but the limit: the messages then outlived
+    their time to live and the priorities went uncapped). A declare with arguments still
+    sets them all."""
+    settings = (
+        "SELECT expires_ms, message_ttl_ms, max_priority, auto_delete FROM {}.queue "
+        "WHERE name = 'jobs'"
+    )
+
+    def row() -> tuple[Any, ...] | None:
+        return conn.execute(sql.SQL(settings).format(sql.Identifier(schema))).fetchone()
+
+    configured = Queue(
+        "jobs", message_ttl=0.2, expires=3600, max_priority=5, max_length=100, auto_delete=True
+    )
+    with make_connection() as first, make_connection() as second:
+        configured(first.default_channel).declare()
+        assert row() == (3_600_000, 200, 5, True)
+        Queue("jobs")(second.default_channel).declare()
+        jobs = second.SimpleQueue("jobs")
+        assert row() == (3_600_000, 200, 5, True)
+        limits = queue_row(conn, schema, "jobs")
+        assert limits is not None and limits[2] == 100  # (the limit, as before)
+        jobs.put({"late": True}, priority=9)
+        time.sleep(0.4)
+        with pytest.raises(jobs.Empty):  # (past its time to live: dropped, not delivered)
+            jobs.get(timeout=0.5)
+        jobs.close()
+        Queue("jobs", expires=7)(first.default_channel).declare()
+        assert row() == (7000, None, None, False)
 
 
 def test_queue_message_ttl_in_seconds_drops_undelivered_messages(

@@ -31,10 +31,15 @@ $$;
 
 -- Declare a queue with kombu's arguments: as queue_declare_v1, and auto_delete (the queue
 -- goes when its last consumer does) and max_priority (a message's priority above it is
--- stored as it). A declare brings back a queue that went (queue_gone). (One statement writes
--- the queue's row, and only when something changed or the recorded use of a queue with an
--- expiry is further behind than queue_use_lag_v1 allows: Celery's rpc:// client declares its
--- reply queue before every task it sends.)
+-- stored as it). A declare brings back a queue that went (queue_gone). A declare with
+-- arguments sets them all (the last such declare wins); one without any (kombu's plain
+-- Queue(name), a SimpleQueue: no x-expires, x-message-ttl, x-max-priority, auto_delete false)
+-- changes none of an existing queue's, only counts as its use (schema version 27: until
+-- then it cleared them, so that another process's plain declare turned off the expiry, the
+-- time to live and the priority cap for everyone). (One statement writes the queue's row,
+-- and only when something changed or the recorded use of a queue with an expiry is further
+-- behind than queue_use_lag_v1 allows: Celery's rpc:// client declares its reply queue before
+-- every task it sends.)
 CREATE FUNCTION {schema}.queue_declare_v2(
     p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint, p_auto_delete boolean,
     p_max_priority integer, OUT waiting bigint, OUT in_flight bigint
@@ -42,21 +47,24 @@ CREATE FUNCTION {schema}.queue_declare_v2(
 LANGUAGE plpgsql AS $$
 DECLARE
     v_queue_id integer;
+    v_plain boolean := p_expires_ms IS NULL AND p_message_ttl_ms IS NULL
+                       AND p_max_priority IS NULL AND NOT coalesce(p_auto_delete, false);
 BEGIN
     v_queue_id := {schema}.queue_ensure_v1(p_queue);
     UPDATE {schema}.queue q SET
-        expires_ms = p_expires_ms,
-        message_ttl_ms = p_message_ttl_ms,
-        auto_delete = p_auto_delete,
-        max_priority = p_max_priority,
+        expires_ms = CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END,
+        message_ttl_ms = CASE WHEN v_plain THEN q.message_ttl_ms ELSE p_message_ttl_ms END,
+        auto_delete = CASE WHEN v_plain THEN q.auto_delete ELSE p_auto_delete END,
+        max_priority = CASE WHEN v_plain THEN q.max_priority ELSE p_max_priority END,
         used_at = clock_timestamp()
     WHERE q.id = v_queue_id
-      AND (q.expires_ms IS DISTINCT FROM p_expires_ms
-           OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
-           OR q.auto_delete IS DISTINCT FROM p_auto_delete
-           OR q.max_priority IS DISTINCT FROM p_max_priority
-           OR (p_expires_ms IS NOT NULL
-               AND q.used_at < clock_timestamp() - {schema}.queue_use_lag_v1(p_expires_ms)));
+      AND (NOT v_plain AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+                            OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+                            OR q.auto_delete IS DISTINCT FROM p_auto_delete
+                            OR q.max_priority IS DISTINCT FROM p_max_priority)
+           OR (CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END IS NOT NULL
+               AND q.used_at < clock_timestamp() - {schema}.queue_use_lag_v1(
+                   CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END)));
     DELETE FROM {schema}.queue_gone g WHERE g.name = p_queue;
     SELECT t.waiting, t.in_flight INTO waiting, in_flight FROM {schema}.queue_totals_v1(p_queue) AS t;
 END;
