@@ -170,6 +170,44 @@ def test_async_publish_of_a_celery_task(
     close_app(app)
 
 
+def test_async_publish_follows_the_tasks_routes(pg_dsn: str, schema: str, conn: Conn) -> None:
+    """apublish sends the task where ``apply_async`` does: the queue ``task_routes`` names
+    (it went to ``task_default_queue``), the queue given to it before a route; a non-task is
+    refused with a ``TypeError``. (A task's own ``queue`` attribute, which Celery 5.6
+    deprecates, goes before a route too, as in ``apply_async``.)"""
+    import asyncio
+
+    from celery import Celery
+
+    import lonnymq.celery
+
+    app = Celery("routedapp", broker=lonnymq_url(pg_dsn))
+    app.conf.broker_transport_options = {"schema": schema}
+    app.conf.task_routes = {"routedapp.*": {"queue": "emails"}}
+    lonnymq.install(conn, schema)  # (apublish needs the schema installed)
+
+    @app.task(name="routedapp.send")  # type: ignore[untyped-decorator]
+    def send(to: str) -> None:
+        return None
+
+    async def go() -> None:
+        aconn = await psycopg.AsyncConnection.connect(pg_dsn)
+        try:
+            async with aconn.transaction():
+                await lonnymq.celery.apublish(aconn, send, ("a@example.com",))
+                await lonnymq.celery.apublish(aconn, send, ("b@example.com",), queue="given")
+            with pytest.raises(TypeError, match="a Celery task"):
+                await lonnymq.celery.apublish(aconn, "routedapp.send")
+        finally:
+            await aconn.close()
+
+    asyncio.run(go())
+    broker = lonnymq.Broker(schema)
+    sizes = {q: broker.queue(q).stats(conn).total for q in ("emails", "given", "celery")}
+    assert sizes == {"emails": 1, "given": 1, "celery": 0}
+    close_app(app)
+
+
 @pytest.mark.parametrize(
     ("kind", "options"),
     [

@@ -115,6 +115,18 @@ def _before_publish(
         headers["x-channel"] = channel
 
 
+def _routed_queue(app: Any, task: Any, args: list[Any], kwargs: dict[str, Any]) -> str:
+    """The queue ``task.apply_async(args, kwargs)`` sends to: the task's ``queue``, else the
+    one its ``task_routes`` name, else ``task_default_queue`` (Celery's router decides)."""
+    own = getattr(task, "queue", None)
+    routed = app.amqp.router.route(
+        {"queue": own} if own else {}, task.name, args, kwargs, task_type=task
+    )
+    destination = routed.get("queue")
+    name = getattr(destination, "name", destination)
+    return str(name or app.conf.task_default_queue)
+
+
 async def apublish(
     aconn: Any,
     task: Any,
@@ -132,12 +144,16 @@ async def apublish(
     For async code: ``async with aconn.transaction(): ...; await apublish(aconn, task, args)``
     writes the task with the caller's rows, rolled back or committed with them. The message is
     the one ``task.apply_async`` would publish (Celery message protocol 2), sent to ``queue``
-    (default: the task's queue, else ``task_default_queue``). Returns the task id. The schema
+    (default: where ``apply_async`` sends it: the task's ``queue``, else the queue its
+    ``task_routes`` name, else ``task_default_queue``; a route that names an exchange and a
+    routing key but no queue is not followed). Returns the task id. The schema
     must be installed already (any worker or producer of the app installs it on first use, or
     ``lonnymq migrate``).
     """
     if not isinstance(aconn, psycopg.AsyncConnection):
         raise TypeError("apublish needs a psycopg.AsyncConnection")
+    if not hasattr(task, "app") or not isinstance(getattr(task, "name", None), str):
+        raise TypeError(f"apublish needs a Celery task (an @app.task), not {task!r}")
     app = task.app
     task_id = str(uuid.uuid4())
     kwargs = dict(kwargs or {})
@@ -148,7 +164,7 @@ async def apublish(
     raw = data.encode(encoding or "utf-8") if isinstance(data, str) else data
     all_headers = {**message.headers, **(headers or {})}
     make_eta_aware(all_headers, app.timezone)
-    target = queue or getattr(task, "queue", None) or app.conf.task_default_queue
+    target = queue or _routed_queue(app, task, list(args), kwargs)
     if "x-channel" not in all_headers:
         channel = channel_for(task, list(args), kwargs)
         if channel:
