@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -271,3 +273,43 @@ def test_the_functions_refuse_what_the_client_would(
             )
         row = conn.execute(sql.SQL("SELECT priority FROM {}.message").format(s)).fetchall()
         assert row == [(3,)]
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        (lambda b, c: b.delete(c, 1, "not-a-uuid"), "lock token must be a UUID"),
+        (lambda b, c: b.defer(c, 1, 42), "lock token must be a UUID"),
+        (lambda b, c: b.reject(c, True, uuid.uuid4()), "message id must be an int"),
+        (lambda b, c: b.heartbeat(c, [(1,)], lock_ms=1000), "an (id, lock_token) pair, not (1,)"),
+        (lambda b, c: b.delete_many(c, [5]), "an (id, lock_token) pair, not 5"),
+        (lambda b, c: b.dequeue(c, ["q"], ack=[5]), "a message to ack is a Message or"),
+        (lambda b, c: b.dequeue(c, ["q"], ack=[("1", uuid.uuid4())]), "message id must be"),
+        (
+            lambda b, c: b.queue("q").channel("c").message.create(c, b"x", raise_if_dropped="no"),
+            "raise_if_dropped must be True or False",
+        ),
+        (lambda b, c: b.batch().execute(c, raise_if_dropped=1), "raise_if_dropped must be"),
+    ],
+    ids=[
+        "delete-token",
+        "defer-token",
+        "reject-id",
+        "heartbeat-pair",
+        "delete_many-pair",
+        "dequeue-ack",
+        "dequeue-ack-id",
+        "create-flag",
+        "batch-flag",
+    ],
+)
+def test_held_messages_and_flags_are_checked_before_anything_is_sent(
+    broker: lonnymq.Broker, conn: Conn, call: Callable[[lonnymq.Broker, Conn], Any], said: str
+) -> None:
+    """A held message given by hand (an (id, lock_token) pair) and a flag are checked as the
+    other arguments are: ``InvalidArgument`` naming the problem (a lock token that is not a
+    UUID reached Postgres as ``DatabaseError``, a malformed pair raised ``IndexError`` or
+    ``TypeError``, a flag that is not a bool was taken for true)."""
+    with pytest.raises(InvalidArgument, match=re.escape(said)):
+        call(broker, conn)
+    _nothing_written(conn, broker.schema)

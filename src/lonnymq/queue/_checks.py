@@ -4,6 +4,8 @@ error naming the problem, and nothing is written."""
 from __future__ import annotations
 
 import math
+import uuid
+from collections.abc import Iterable
 
 from ..exceptions import ConfigurationError, InvalidArgument, InvalidName, MessageTooLarge
 
@@ -118,6 +120,35 @@ MAX_ID = 2**63 - 1
 def message_id(value: object, what: str = "message id") -> int:
     """A message's id: an int from 1 to :data:`MAX_ID`."""
     return integer(value, what, low=1, high=MAX_ID)
+
+
+def lock_token(value: object, what: str = "lock token") -> uuid.UUID:
+    """A held message's lock token: a UUID (or its text)."""
+    if isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            pass
+    raise InvalidArgument(f"{what} must be a UUID (a held message's lock_token), not {value!r}")
+
+
+def held(values: Iterable[object], what: str = "held message") -> list[tuple[int, uuid.UUID]]:
+    """Held messages as (id, lock token) pairs: each a Message (anything with ``id`` and
+    ``lock_token``) or such a pair."""
+    pairs = []
+    for value in values:
+        if isinstance(value, tuple) and len(value) == 2:
+            ident, token = value
+        elif hasattr(value, "id") and hasattr(value, "lock_token"):
+            ident, token = value.id, value.lock_token
+        else:
+            raise InvalidArgument(
+                f"a {what} is a Message or an (id, lock_token) pair, not {value!r}"
+            )
+        pairs.append((message_id(ident), lock_token(token)))
+    return pairs
 
 
 def boolean(value: object, what: str) -> bool:

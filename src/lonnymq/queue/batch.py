@@ -140,6 +140,7 @@ class Batch:
         :class:`~lonnymq.ChannelFull` and the whole batch is rolled back; otherwise the
         refused creates give :class:`~lonnymq.Dropped` results and the rest is kept.
         """
+        raise_if_dropped = _checks.boolean(raise_if_dropped, "raise_if_dropped")
         if isinstance(conn, psycopg.AsyncConnection):
             return self._aexecute(conn, raise_if_dropped)
         if not isinstance(conn, psycopg.Connection):

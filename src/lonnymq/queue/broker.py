@@ -109,7 +109,7 @@ class Broker:
         producers send a NOTIFY (they send none while every consumer is busy). Pass False on
         a connection that does not wait for notifications (a pooled one, say).
         """
-        held = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in ack]
+        held = _checks.held(ack, "message to ack")
         op = dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms, ack=held, listen=listen)
         return run(require_sync(conn), op)
 
@@ -140,7 +140,7 @@ class Broker:
     ) -> set[int]:
         """Extend the locks of held messages to ``lock_ms`` from now, in one call. Returns
         the ids still held; the others were lost (lock expired and taken over, or gone)."""
-        pairs = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in held]
+        pairs = _checks.held(held)
         if not pairs:
             return set()
         return run(require_sync(conn), heartbeat_op(self.schema, pairs, lock_ms=lock_ms))
@@ -149,7 +149,7 @@ class Broker:
         self, conn: Conn, held: Iterable[Message | tuple[int, uuid.UUID]]
     ) -> dict[int, Outcome]:
         """Delete (ack) many held messages in one call; an outcome per id."""
-        pairs = [(m.id, m.lock_token) if isinstance(m, Message) else m for m in held]
+        pairs = _checks.held(held)
         if not pairs:
             return {}
         return run(require_sync(conn), delete_many_op(self.schema, pairs))

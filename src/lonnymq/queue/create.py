@@ -98,6 +98,8 @@ def create_op(
         max_message_bytes=max_message_bytes,
     )
 
+    raise_if_dropped = _checks.boolean(raise_if_dropped, "raise_if_dropped")
+
     def parse(rows: Rows) -> CreateResult:
         code, message_id = rows[0][0]  # (a record, read in text: its fields are strings)
         result = _result(code, None if message_id is None else int(message_id), *params[:2])

@@ -145,8 +145,9 @@ def dequeue_op(
     names = _checks.queues(queues)
     count = _checks.integer(limit, "limit", low=1, high=_checks.MAX_LIMIT)
     lock = _checks.milliseconds(lock_ms, "lock_ms", low=1, high=_checks.MAX_LOCK_MS)
-    ids = [int(a[0]) for a in ack]
-    tokens = [a[1] for a in ack]
+    pairs = _checks.held(ack, "message to ack")
+    ids = [a[0] for a in pairs]
+    tokens = [a[1] for a in pairs]
 
     def parse(rows: Rows) -> DequeueResult:
         messages: list[Message] = []

@@ -35,12 +35,14 @@ def _outcome(rows: Rows) -> Outcome:
 
 
 def delete_op(schema: str, message_id: int, lock_token: uuid.UUID) -> Op[Outcome]:
-    return Op(schema, render(_DELETE, schema), (message_id, lock_token), _outcome)
+    (pair,) = _checks.held([(message_id, lock_token)])
+    return Op(schema, render(_DELETE, schema), pair, _outcome)
 
 
 def delete_many_op(schema: str, held: Sequence[tuple[int, uuid.UUID]]) -> Op[dict[int, Outcome]]:
-    ids = [h[0] for h in held]
-    tokens = [h[1] for h in held]
+    pairs = _checks.held(held)
+    ids = [h[0] for h in pairs]
+    tokens = [h[1] for h in pairs]
 
     def parse(rows: Rows) -> dict[int, Outcome]:
         return {r[0]: Outcome(r[1]) for r in rows}
@@ -65,15 +67,15 @@ def defer_op(
     )
     set_state = state is not KEEP
     data = _checks.optional_bytes(state, "state") if set_state else None
-    params = (message_id, lock_token, delay, set_state, data)
-    return Op(schema, render(_DEFER, schema), params, _outcome)
+    (pair,) = _checks.held([(message_id, lock_token)])
+    return Op(schema, render(_DEFER, schema), (*pair, delay, set_state, data), _outcome)
 
 
 def heartbeat_op(
     schema: str, held: Iterable[tuple[int, uuid.UUID]], *, lock_ms: float
 ) -> Op[set[int]]:
     lock = _checks.milliseconds(lock_ms, "lock_ms", low=1, high=_checks.MAX_LOCK_MS)
-    pairs = list(held)
+    pairs = _checks.held(held)
     ids = [p[0] for p in pairs]
     tokens = [p[1] for p in pairs]
 
@@ -89,4 +91,5 @@ def reject_op(
     """Reject a held message without requeue: to the dead letters (or deleted where the
     queue keeps none)."""
     why = _checks.name(reason, "reason")
-    return Op(schema, render(_REJECT, schema), (message_id, lock_token, why), _outcome)
+    (pair,) = _checks.held([(message_id, lock_token)])
+    return Op(schema, render(_REJECT, schema), (*pair, why), _outcome)
