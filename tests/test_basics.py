@@ -286,3 +286,14 @@ def test_delete_many(queue: lonnymq.Queue, conn: Conn) -> None:
     assert outcomes == {m.id: Outcome.OK for m in held[1:]} | {held[0].id: Outcome.STATE_INVALID}
     assert queue.stats(conn).total == 1
     assert queue.broker.delete_many(conn, []) == {}
+
+
+def test_the_queues_listed_include_those_only_created_in(
+    broker: lonnymq.Broker, conn: Conn
+) -> None:
+    """``Broker.queues`` (``lonnymq stats`` without a queue) lists a queue whose messages no
+    consumer has looked at yet, as ``status`` does (it read the queue table, which gets the
+    queue's row at its first ingest or declare, and only the schema's owner may read)."""
+    broker.queue("fresh").channel("c").message.create(conn, b"x")
+    assert broker.queues(conn) == ["fresh"]
+    assert [s.queue for s in broker.status(conn)] == ["fresh"]

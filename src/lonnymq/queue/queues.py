@@ -22,7 +22,9 @@ _STATS: LiteralString = (
     "SELECT total, in_flight, ready, delayed, channels, max_concurrency, max_size "
     "FROM {schema}.queue_stats_v1(%s::text, %s::boolean)"
 )
-_LIST: LiteralString = "SELECT name FROM {schema}.queue ORDER BY name"
+#: (From the status function, which every role kind may call: the queue table alone lacks the
+#: queues whose messages no consumer has ingested yet, and only the owner may read it.)
+_LIST: LiteralString = "SELECT queue_name FROM {schema}.queue_status_v1(false)"
 
 
 def _count(rows: Rows) -> int:
