@@ -293,7 +293,7 @@ def test_the_queues_listed_include_those_only_created_in(
 ) -> None:
     """``Broker.queues`` (``lonnymq stats`` without a queue) lists a queue whose messages no
     consumer has looked at yet, as ``status`` does (it read the queue table, which gets the
-    queue's row at its first ingest or declare, and only the schema's owner may read)."""
+    queue's row at its first ingest or declare)."""
     broker.queue("fresh").channel("c").message.create(conn, b"x")
     assert broker.queues(conn) == ["fresh"]
     assert [s.queue for s in broker.status(conn)] == ["fresh"]

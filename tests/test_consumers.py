@@ -117,6 +117,27 @@ def test_the_celery_node_name_is_shown_when_known(
 # auto_delete
 
 
+def test_a_passive_declare_counts_consumers_and_delete_if_unused_keeps_a_consumed_queue(
+    make_connection: Callable[..., Connection], conn: Conn, schema: str
+) -> None:
+    """A passive declare (to look at a queue) says how many consumers it has, of any process,
+    as RabbitMQ does (it said 0); ``queue_delete(if_unused=True)`` leaves a queue that has a
+    consumer (it deleted it under its consumer), returning None as a refused ``if_empty``
+    does, and deletes it once nobody consumes it."""
+    with make_connection() as watcher, make_connection() as worker:
+        Queue("busy")(watcher.default_channel).declare()
+        assert watcher.default_channel.queue_declare("busy", passive=True).consumer_count == 0
+        consumer = worker.Consumer(Queue("busy"), callbacks=[ignore])
+        consumer.consume()
+        ok = watcher.default_channel.queue_declare("busy", passive=True)
+        assert (ok.queue, ok.message_count, ok.consumer_count) == ("busy", 0, 1)
+        assert watcher.default_channel.queue_delete("busy", if_unused=True) is None
+        assert queue_row(conn, schema, "busy") is not None
+        consumer.cancel()
+        assert watcher.default_channel.queue_delete("busy", if_unused=True) == 0
+        assert queue_row(conn, schema, "busy") is None
+
+
 def test_a_consumer_cancelled_after_its_channel_closed(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:

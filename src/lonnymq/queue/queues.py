@@ -22,8 +22,8 @@ _STATS: LiteralString = (
     "SELECT total, in_flight, ready, delayed, channels, max_concurrency, max_size "
     "FROM {schema}.queue_stats_v1(%s::text, %s::boolean)"
 )
-#: (From the status function, which every role kind may call: the queue table alone lacks the
-#: queues whose messages no consumer has ingested yet, and only the owner may read it.)
+#: (From the status function, as ``status`` lists them: the queue table alone lacks the queues
+#: whose messages no consumer has ingested yet.)
 _LIST: LiteralString = "SELECT queue_name FROM {schema}.queue_status_v1(false)"
 
 

@@ -16,6 +16,7 @@ from kombu.transport.base import to_rabbitmq_queue_arguments
 
 from ..exceptions import InvalidArgument
 from ..queue._ops import Op, run
+from ..queue.consumers import consumer_list_op
 from ..queue.policy import queue_get_op, queue_set_op
 from ..queue.queues import delete_queue_op, purge_op, queue_declare_op, queue_exists_op, stats_op
 from ..queue.routing import (
@@ -103,10 +104,12 @@ class TopologyChannel(virtual.Channel):
                 raise ChannelError(
                     f"NOT_FOUND - no queue {queue!r}", (50, 10), "Channel.queue_declare", "404"
                 )
-            waiting = self._size(queue)
-        else:
-            arguments = queue_arguments(kwargs.get("arguments") or {})
-            waiting = self._declare(queue, arguments, auto_delete=bool(kwargs.get("auto_delete")))
+            # (a passive declare, to look at a queue, counts its consumers as RabbitMQ does;
+            # a declare, which Celery's rpc:// client makes before every task, does not look)
+            consumers = len(self._run(consumer_list_op(self.options.schema, queue)))
+            return queue_declare_ok_t(queue, self._size(queue), consumers)
+        arguments = queue_arguments(kwargs.get("arguments") or {})
+        waiting = self._declare(queue, arguments, auto_delete=bool(kwargs.get("auto_delete")))
         return queue_declare_ok_t(queue, waiting, 0)
 
     def prepare_queue_arguments(self, arguments: Any, **kwargs: Any) -> Any:
@@ -189,7 +192,11 @@ class TopologyChannel(virtual.Channel):
     def queue_delete(
         self, queue: str, if_unused: bool = False, if_empty: bool = False, **kwargs: Any
     ) -> int | None:
+        # (a queue that is not empty, or has a consumer of any process, is not deleted when
+        # asked so: as on kombu's other transports, the call returns None)
         if if_empty and self._size(queue):
+            return None
+        if if_unused and self._run(consumer_list_op(self.options.schema, queue)):
             return None
         self._forget(queue)
         return int(self._run(delete_queue_op(self.options.schema, queue)))
