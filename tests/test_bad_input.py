@@ -539,6 +539,19 @@ CASES = [
         "kombu-delay-negative", kombu_put(headers={"x-delay-ms": -1}), InvalidArgument, "x-delay-ms"
     ),
     Case("kombu-delay-not-a-number", kombu_put(headers={"x-delay-ms": "soon"}), InvalidArgument),
+    Case("kombu-delay-bool", kombu_put(headers={"x-delay-ms": True}), InvalidArgument, "x-delay"),
+    Case(
+        "kombu-x-channel-list",
+        kombu_put(headers={"x-channel": ["a"]}),
+        InvalidArgument,
+        "x-channel",
+    ),
+    Case(
+        "kombu-dedup-dict",
+        kombu_put(headers={"x-dedup-name": {"a": 1}}),
+        InvalidArgument,
+        "x-dedup-name",
+    ),
     Case("kombu-delay-1e20", kombu_put(headers={"x-delay-ms": 1e20}), InvalidArgument, "delay_ms"),
     Case("kombu-delay-inf", kombu_put(headers={"x-delay-ms": float("inf")}), InvalidArgument),
     Case("kombu-delay-nan", kombu_put(headers={"x-delay-ms": float("nan")}), InvalidArgument),

@@ -112,9 +112,15 @@ def check_kombu_queue_kwargs(options: dict[str, Any]) -> None:
 
 
 def str_or_none(value: Any, what: str) -> str | None:
+    """A name header (``x-channel``, ``x-dedup-name``): a string, or an int (a tenant's id),
+    taken as its digits; None when absent or empty."""
     if value is None or value == "":
         return None
-    return value if isinstance(value, str) else str(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise InvalidArgument(f"the {what} header must be a string (or an int), not {value!r}")
 
 
 def priority(value: Any) -> int:
@@ -194,6 +200,8 @@ def delay_ms(headers: dict[str, Any]) -> float:
     :func:`celery_zone`, see :func:`make_eta_aware`) or ``x-delay-ms``."""
     if headers.get("x-delay-ms") is not None:
         try:
+            if isinstance(headers["x-delay-ms"], bool):
+                raise TypeError
             delay = float(headers["x-delay-ms"])
         except (TypeError, ValueError):
             raise InvalidArgument(

@@ -81,13 +81,14 @@ class TopologyChannel(virtual.Channel):
                     "404",
                 )
             return
+        op = exchange_declare_op(
+            self.options.schema, exchange, type, durable=durable, auto_delete=auto_delete
+        )
         try:
-            self._run(
-                exchange_declare_op(
-                    self.options.schema, exchange, type, durable=durable, auto_delete=auto_delete
-                )
-            )
+            self._run(op)
         except InvalidArgument as exc:  # (it exists with another type: as RabbitMQ refuses it)
+            if getattr(exc.__cause__, "sqlstate", None) != "LM001":
+                raise
             raise PreconditionFailed(
                 f"PRECONDITION_FAILED - {exc}", (40, 10), "Channel.exchange_declare", 406
             ) from exc
