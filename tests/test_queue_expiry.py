@@ -115,10 +115,11 @@ def test_a_plain_declare_of_an_existing_queue_changes_none_of_its_arguments(
     make_connection: Callable[..., Connection], conn: Conn, schema: str
 ) -> None:
     """Another process's plain declare (``Queue(name)``, a ``SimpleQueue``: no arguments)
-    leaves the queue's expiry, time to live, priority cap, ``auto_delete`` and limit as its
-    declare with arguments set them (it cleared all but the limit: the messages then outlived
-    their time to live and the priorities went uncapped). A declare with arguments still
-    sets them all."""
+    leaves the queue's expiry, time to live, priority cap and limit as its declare with
+    arguments set them (it cleared all but the limit: the messages then outlived their time to
+    live and the priorities went uncapped). ``auto_delete`` is what the last declare says (a
+    plain declare never leaves a queue that goes with its last consumer). A declare with
+    arguments still sets them all."""
     settings = (
         "SELECT expires_ms, message_ttl_ms, max_priority, auto_delete FROM {}.queue "
         "WHERE name = 'jobs'"
@@ -135,7 +136,7 @@ def test_a_plain_declare_of_an_existing_queue_changes_none_of_its_arguments(
         assert row() == (3_600_000, 200, 5, True)
         Queue("jobs")(second.default_channel).declare()
         jobs = second.SimpleQueue("jobs")
-        assert row() == (3_600_000, 200, 5, True)
+        assert row() == (3_600_000, 200, 5, False)
         limits = queue_row(conn, schema, "jobs")
         assert limits is not None and limits[2] == 100  # (the limit, as before)
         jobs.put({"late": True}, priority=9)

@@ -14,7 +14,7 @@
 -- by the functions that lock and unlock (unchanged) and by the test suite. message_create_v1
 -- also takes its produce key by an assignment rather than PERFORM (a query through the
 -- executor). Same arguments and results. queue_declare_v2 is replaced too (same arguments
--- and results): a declare without arguments changes none of an existing queue's.
+-- and results): a declare without arguments leaves an existing queue's as they are.
 
 ALTER TABLE {schema}.message
     DROP CONSTRAINT message_priority_check,
@@ -304,7 +304,7 @@ BEGIN
 END;
 $$;
 
--- A declare without arguments changes none of an existing queue's (see the fresh schema's
+-- A declare without arguments leaves an existing queue's as they are (see the fresh schema's
 -- comment on queue_declare_v2).
 CREATE OR REPLACE FUNCTION {schema}.queue_declare_v2(
     p_queue text, p_expires_ms bigint, p_message_ttl_ms bigint, p_auto_delete boolean,
@@ -314,20 +314,20 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_queue_id integer;
     v_plain boolean := p_expires_ms IS NULL AND p_message_ttl_ms IS NULL
-                       AND p_max_priority IS NULL AND NOT coalesce(p_auto_delete, false);
+                       AND p_max_priority IS NULL;
 BEGIN
     v_queue_id := {schema}.queue_ensure_v1(p_queue);
     UPDATE {schema}.queue q SET
         expires_ms = CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END,
         message_ttl_ms = CASE WHEN v_plain THEN q.message_ttl_ms ELSE p_message_ttl_ms END,
-        auto_delete = CASE WHEN v_plain THEN q.auto_delete ELSE p_auto_delete END,
+        auto_delete = p_auto_delete,
         max_priority = CASE WHEN v_plain THEN q.max_priority ELSE p_max_priority END,
         used_at = clock_timestamp()
     WHERE q.id = v_queue_id
-      AND (NOT v_plain AND (q.expires_ms IS DISTINCT FROM p_expires_ms
-                            OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
-                            OR q.auto_delete IS DISTINCT FROM p_auto_delete
-                            OR q.max_priority IS DISTINCT FROM p_max_priority)
+      AND (q.auto_delete IS DISTINCT FROM p_auto_delete
+           OR NOT v_plain AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+                               OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+                               OR q.max_priority IS DISTINCT FROM p_max_priority)
            OR (CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END IS NOT NULL
                AND q.used_at < clock_timestamp() - {schema}.queue_use_lag_v1(
                    CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END)));

@@ -33,10 +33,11 @@ $$;
 -- goes when its last consumer does) and max_priority (a message's priority above it is
 -- stored as it). A declare brings back a queue that went (queue_gone). A declare with
 -- arguments sets them all (the last such declare wins); one without any (kombu's plain
--- Queue(name), a SimpleQueue: no x-expires, x-message-ttl, x-max-priority, auto_delete false)
--- changes none of an existing queue's, only counts as its use (schema version 27: until
--- then it cleared them, so that another process's plain declare turned off the expiry, the
--- time to live and the priority cap for everyone). (One statement writes the queue's row,
+-- Queue(name), a SimpleQueue: no x-expires, x-message-ttl, x-max-priority) leaves an
+-- existing queue's as they are (schema version 27: until then it cleared them, so that
+-- another process's plain declare turned off the expiry, the time to live and the priority
+-- cap for everyone). auto_delete is what the declare says, always (kombu always says it; a
+-- plain declare never leaves a queue that goes with its last consumer, and its messages). (One statement writes the queue's row,
 -- and only when something changed or the recorded use of a queue with an expiry is further
 -- behind than queue_use_lag_v1 allows: Celery's rpc:// client declares its reply queue before
 -- every task it sends.)
@@ -48,20 +49,20 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_queue_id integer;
     v_plain boolean := p_expires_ms IS NULL AND p_message_ttl_ms IS NULL
-                       AND p_max_priority IS NULL AND NOT coalesce(p_auto_delete, false);
+                       AND p_max_priority IS NULL;
 BEGIN
     v_queue_id := {schema}.queue_ensure_v1(p_queue);
     UPDATE {schema}.queue q SET
         expires_ms = CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END,
         message_ttl_ms = CASE WHEN v_plain THEN q.message_ttl_ms ELSE p_message_ttl_ms END,
-        auto_delete = CASE WHEN v_plain THEN q.auto_delete ELSE p_auto_delete END,
+        auto_delete = p_auto_delete,
         max_priority = CASE WHEN v_plain THEN q.max_priority ELSE p_max_priority END,
         used_at = clock_timestamp()
     WHERE q.id = v_queue_id
-      AND (NOT v_plain AND (q.expires_ms IS DISTINCT FROM p_expires_ms
-                            OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
-                            OR q.auto_delete IS DISTINCT FROM p_auto_delete
-                            OR q.max_priority IS DISTINCT FROM p_max_priority)
+      AND (q.auto_delete IS DISTINCT FROM p_auto_delete
+           OR NOT v_plain AND (q.expires_ms IS DISTINCT FROM p_expires_ms
+                               OR q.message_ttl_ms IS DISTINCT FROM p_message_ttl_ms
+                               OR q.max_priority IS DISTINCT FROM p_max_priority)
            OR (CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END IS NOT NULL
                AND q.used_at < clock_timestamp() - {schema}.queue_use_lag_v1(
                    CASE WHEN v_plain THEN q.expires_ms ELSE p_expires_ms END)));
