@@ -564,6 +564,12 @@ CASES = [
     Case("kombu-eta-garbage", kombu_put(headers={"eta": "tomorrow"}), InvalidArgument, "ISO 8601"),
     Case("kombu-expiration-huge", kombu_publish(expiration=1e15), InvalidArgument, "ttl_ms"),
     Case(
+        "kombu-expiration-negative",
+        kombu_publish(expiration=-1),
+        InvalidArgument,
+        "expiration must be milliseconds >= 0",
+    ),
+    Case(
         "kombu-queue-arg-expires-str",
         lambda c: c.kombu().default_channel.queue_declare("qa", arguments={"x-expires": "abc"}),
         InvalidArgument,

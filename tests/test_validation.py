@@ -290,6 +290,10 @@ def test_the_functions_refuse_what_the_client_would(
             "raise_if_dropped must be True or False",
         ),
         (lambda b, c: b.batch().execute(c, raise_if_dropped=1), "raise_if_dropped must be"),
+        (
+            lambda b, c: b.reject(c, 1, uuid.uuid4(), reason="r" * 300),
+            "reason is 300 characters long, over the limit of 255",
+        ),
     ],
     ids=[
         "delete-token",
@@ -301,6 +305,7 @@ def test_the_functions_refuse_what_the_client_would(
         "dequeue-ack-id",
         "create-flag",
         "batch-flag",
+        "reject-reason",
     ],
 )
 def test_held_messages_and_flags_are_checked_before_anything_is_sent(
@@ -309,7 +314,8 @@ def test_held_messages_and_flags_are_checked_before_anything_is_sent(
     """A held message given by hand (an (id, lock_token) pair) and a flag are checked as the
     other arguments are: ``InvalidArgument`` naming the problem (a lock token that is not a
     UUID reached Postgres as ``DatabaseError``, a malformed pair raised ``IndexError`` or
-    ``TypeError``, a flag that is not a bool was taken for true)."""
-    with pytest.raises(InvalidArgument, match=re.escape(said)):
+    ``TypeError``, a flag that is not a bool was taken for true, a reason too long was
+    "reason name is ... characters long")."""
+    with pytest.raises((InvalidArgument, InvalidName), match=re.escape(said)):
         call(broker, conn)
     _nothing_written(conn, broker.schema)

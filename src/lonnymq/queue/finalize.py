@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from .._compat import LiteralString
+from ..exceptions import InvalidName
 from . import _checks
 from ._ops import Op, Rows, render
 from .results import Outcome
@@ -90,6 +91,8 @@ def reject_op(
 ) -> Op[Outcome]:
     """Reject a held message without requeue: to the dead letters (or deleted where the
     queue keeps none)."""
-    why = _checks.name(reason, "reason")
+    why = _checks.optional_key(reason, "reason")  # ("reason is N characters long...")
+    if not why:
+        raise InvalidName("reason must not be empty")
     (pair,) = _checks.held([(message_id, lock_token)])
     return Op(schema, render(_REJECT, schema), (*pair, why), _outcome)

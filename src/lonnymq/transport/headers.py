@@ -138,7 +138,9 @@ def expiration_ms(value: Any) -> float | None:
         ms = float(value)
     except (TypeError, ValueError):
         raise InvalidArgument(f"message expiration must be milliseconds, not {value!r}") from None
-    return max(0.0, ms)
+    if ms != ms or ms < 0:  # (RabbitMQ refuses it too: the message was dropped at once)
+        raise InvalidArgument(f"message expiration must be milliseconds >= 0, not {value!r}")
+    return ms
 
 
 def is_celery_task(headers: dict[str, Any]) -> bool:
