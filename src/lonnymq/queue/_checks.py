@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import uuid
 from collections.abc import Iterable
+from typing import Protocol
 
 from ..exceptions import ConfigurationError, InvalidArgument, InvalidName, MessageTooLarge
 
@@ -134,6 +135,24 @@ def lock_token(value: object, what: str = "lock token") -> uuid.UUID:
     raise InvalidArgument(f"{what} must be a UUID (a held message's lock_token), not {value!r}")
 
 
+class HeldMessage(Protocol):
+    """A held message as the API gives it back (:class:`lonnymq.Message`)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def lock_token(self) -> uuid.UUID: ...
+
+
+#: A held message given to an ack, a heartbeat or a dequeue's acks: a Message or the pair.
+Held = HeldMessage | tuple[int, uuid.UUID]
+
+
+def held_pair(message_id_: object, token: object) -> tuple[int, uuid.UUID]:
+    """One held message's (id, lock token), checked."""
+    return message_id(message_id_), lock_token(token)
+
+
 def held(values: Iterable[object], what: str = "held message") -> list[tuple[int, uuid.UUID]]:
     """Held messages as (id, lock token) pairs: each a Message (anything with ``id`` and
     ``lock_token``) or such a pair."""
@@ -147,7 +166,7 @@ def held(values: Iterable[object], what: str = "held message") -> list[tuple[int
             raise InvalidArgument(
                 f"a {what} is a Message or an (id, lock_token) pair, not {value!r}"
             )
-        pairs.append((message_id(ident), lock_token(token)))
+        pairs.append(held_pair(ident, token))
     return pairs
 
 

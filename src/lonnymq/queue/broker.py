@@ -109,8 +109,7 @@ class Broker:
         producers send a NOTIFY (they send none while every consumer is busy). Pass False on
         a connection that does not wait for notifications (a pooled one, say).
         """
-        held = _checks.held(ack, "message to ack")
-        op = dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms, ack=held, listen=listen)
+        op = dequeue_op(self.schema, queues, limit=limit, lock_ms=lock_ms, ack=ack, listen=listen)
         return run(require_sync(conn), op)
 
     def delete(self, conn: Conn, message_id: int, lock_token: uuid.UUID) -> Outcome:
@@ -140,19 +139,19 @@ class Broker:
     ) -> set[int]:
         """Extend the locks of held messages to ``lock_ms`` from now, in one call. Returns
         the ids still held; the others were lost (lock expired and taken over, or gone)."""
-        pairs = _checks.held(held)
-        if not pairs:
+        held = list(held)
+        if not held:
             return set()
-        return run(require_sync(conn), heartbeat_op(self.schema, pairs, lock_ms=lock_ms))
+        return run(require_sync(conn), heartbeat_op(self.schema, held, lock_ms=lock_ms))
 
     def delete_many(
         self, conn: Conn, held: Iterable[Message | tuple[int, uuid.UUID]]
     ) -> dict[int, Outcome]:
         """Delete (ack) many held messages in one call; an outcome per id."""
-        pairs = _checks.held(held)
-        if not pairs:
+        held = list(held)
+        if not held:
             return {}
-        return run(require_sync(conn), delete_many_op(self.schema, pairs))
+        return run(require_sync(conn), delete_many_op(self.schema, held))
 
     def expire(self, conn: Conn, *, limit: int = 10_000) -> tuple[int, int]:
         """Delete messages past their TTL (not held by a consumer; at most ``limit``) and

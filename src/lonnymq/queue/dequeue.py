@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -131,7 +131,7 @@ def dequeue_op(
     *,
     limit: int = 1,
     lock_ms: float = DEFAULT_LOCK_MS,
-    ack: Sequence[tuple[int, uuid.UUID]] = (),
+    ack: Iterable[_checks.Held] = (),
     listen: bool = True,
     hints: Sequence[int] = (),
 ) -> Op[DequeueResult]:

@@ -6,7 +6,7 @@ of finalizing someone else's work."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from .._compat import LiteralString
 from ..exceptions import InvalidName
@@ -36,11 +36,11 @@ def _outcome(rows: Rows) -> Outcome:
 
 
 def delete_op(schema: str, message_id: int, lock_token: uuid.UUID) -> Op[Outcome]:
-    (pair,) = _checks.held([(message_id, lock_token)])
+    pair = _checks.held_pair(message_id, lock_token)
     return Op(schema, render(_DELETE, schema), pair, _outcome)
 
 
-def delete_many_op(schema: str, held: Sequence[tuple[int, uuid.UUID]]) -> Op[dict[int, Outcome]]:
+def delete_many_op(schema: str, held: Iterable[_checks.Held]) -> Op[dict[int, Outcome]]:
     pairs = _checks.held(held)
     ids = [h[0] for h in pairs]
     tokens = [h[1] for h in pairs]
@@ -68,13 +68,11 @@ def defer_op(
     )
     set_state = state is not KEEP
     data = _checks.optional_bytes(state, "state") if set_state else None
-    (pair,) = _checks.held([(message_id, lock_token)])
+    pair = _checks.held_pair(message_id, lock_token)
     return Op(schema, render(_DEFER, schema), (*pair, delay, set_state, data), _outcome)
 
 
-def heartbeat_op(
-    schema: str, held: Iterable[tuple[int, uuid.UUID]], *, lock_ms: float
-) -> Op[set[int]]:
+def heartbeat_op(schema: str, held: Iterable[_checks.Held], *, lock_ms: float) -> Op[set[int]]:
     lock = _checks.milliseconds(lock_ms, "lock_ms", low=1, high=_checks.MAX_LOCK_MS)
     pairs = _checks.held(held)
     ids = [p[0] for p in pairs]
@@ -94,5 +92,5 @@ def reject_op(
     why = _checks.optional_key(reason, "reason")  # ("reason is N characters long...")
     if not why:
         raise InvalidName("reason must not be empty")
-    (pair,) = _checks.held([(message_id, lock_token)])
+    pair = _checks.held_pair(message_id, lock_token)
     return Op(schema, render(_REJECT, schema), (*pair, why), _outcome)
